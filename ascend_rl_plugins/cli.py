@@ -1,0 +1,127 @@
+"""The ``ascend-rl`` command: ``doctor``, ``env``, ``conformance`` and feature commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ["_ASCEND_RL_CLI"] = "1"  # importing the package must not apply patches here
+
+
+def _load() -> None:
+    from . import plugin
+    plugin.load_features()
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor, flags
+
+    try:
+        flags.validate_all()
+    except flags.FlagError as exc:
+        print(f"ascend-rl doctor: {exc}", file=sys.stderr)
+        return 2
+    python = args.python
+    roots = None
+    title = f"ascend-rl doctor: installed packages of {sys.executable}"
+    if args.stack:
+        path, roots, venv_py = doctor.stack_roots(args.stack)
+        python = python or venv_py
+        title = f"ascend-rl doctor: stack {path}"
+    rows, conflicts = doctor.diagnose(roots, python, args.do_import)
+    if args.json:
+        print(json.dumps({"title": title, "patches": [r.as_dict() for r in rows],
+                          "conflicts": conflicts}, indent=2))
+    else:
+        doctor.render(rows, conflicts, title)
+    return 1 if any(r.problem for r in rows) or conflicts else 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from . import flags
+
+    rows = []
+    bad = 0
+    for f in flags.all_flags():
+        raw, source = f.lookup(os.environ)
+        try:
+            value = f.value
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        except flags.FlagError as exc:
+            shown, bad = f"INVALID: {exc}", bad + 1
+        rows.append({"flag": f.name, "value": shown, "source": source, "default": str(f.default),
+                     "accepted": f.accepted(), "aliases": ", ".join(f.aliases), "meaning": f.doc,
+                     "feature": f.feature})
+    unknown = flags.unknown_variables()
+    if args.json:
+        print(json.dumps({"flags": rows, "unknown": unknown}, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title="ascend-rl flags")
+        for col in ("flag", "value", "source", "aliases", "meaning"):
+            table.add_column(col, overflow="fold")
+        for r in rows:
+            table.add_row(r["flag"], r["value"], r["source"], r["aliases"],
+                          f"{r['meaning']} Accepted: {r['accepted']}.",
+                          style="red" if r["value"].startswith("INVALID") else None)
+        console = Console(width=200)
+        console.print(table)
+        for name in unknown:
+            console.print(f"[yellow]unknown[/yellow] {name} is set but is not an ascend-rl flag")
+    return 2 if bad else 0
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    stacks = {}
+    for name in args.stacks:
+        _, roots, _ = doctor.stack_roots(name)
+        stacks[os.path.basename(name.rstrip("/"))] = roots
+    print(doctor.markdown_table(stacks))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ascend-rl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="which patches will apply to this stack, and why not")
+    d.add_argument("--stack", help="a stack directory (or 'recipe'/'current' built by .ci/stack.sh) "
+                                   "to check instead of the installed packages")
+    d.add_argument("--import", dest="do_import", action="store_true",
+                   help="also apply everything in a fresh process and report the outcome")
+    d.add_argument("--python", help="interpreter for --import (default: the stack's venv or this one)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=cmd_doctor)
+    e = sub.add_parser("env", help="every flag: value, source and meaning")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_env)
+    c = sub.add_parser("conformance", help="markdown table of every patch against named stacks")
+    c.add_argument("stacks", nargs="+", help="stack names or directories")
+    c.set_defaults(func=cmd_conformance)
+    # feature commands (e.g. `ascend-rl flashrl ...`): a feature module exposes register_cli
+    from . import features
+    import importlib
+    import pkgutil
+    for info in sorted(pkgutil.iter_modules(features.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{features.__name__}.{info.name}")
+        register = getattr(mod, "register_cli", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _load()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

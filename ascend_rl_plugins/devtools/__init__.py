@@ -1,0 +1,1 @@
+"""Tools for tests, benchmarks and the CPU demo (never imported by the plugin itself)."""

@@ -1,0 +1,254 @@
+"""Typed ``ASCEND_RL_*`` environment flags.
+
+Every feature declares its flags here (through :func:`define`); they are parsed once per
+process and validated when the plugin loads, so a typo in a launch script fails in the
+first second with the variable's name, the bad value and what is accepted, instead of an
+hour later inside a training step. The seed recipe's own variable names are accepted as
+aliases, with a one-time notice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+log = logging.getLogger("ascend_rl_plugins")
+
+PREFIX = "ASCEND_RL_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class FlagError(ValueError):
+    """A flag's environment value is not acceptable."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One environment flag: canonical name, type, default, aliases and meaning."""
+
+    name: str
+    kind: str  # bool | int | float | str | enum | list | path
+    default: Any
+    doc: str
+    aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    feature: str = ""
+    # Converts an alias's raw text into the canonical raw text (e.g. a seed variable that
+    # held a path where the canonical flag holds "path | preset").
+    alias_map: Callable[[str, str], str] | None = field(default=None, compare=False)
+
+    # -- parsing -------------------------------------------------------------
+    def accepted(self) -> str:
+        if self.kind == "bool":
+            return "one of 1/0, true/false, yes/no, on/off"
+        if self.kind == "enum":
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.kind == "list":
+            return "a comma-separated list" + (
+                f" of {', '.join(repr(c) for c in self.choices)}" if self.choices else ""
+            )
+        rng = ""
+        if self.minimum is not None or self.maximum is not None:
+            lo = "-inf" if self.minimum is None else f"{self.minimum:g}"
+            hi = "inf" if self.maximum is None else f"{self.maximum:g}"
+            rng = f" in [{lo}, {hi}]"
+        return {"int": "an integer", "float": "a number", "str": "a string",
+                "path": "a file path"}[self.kind] + rng
+
+    def parse(self, raw: str, source: str | None = None) -> Any:
+        source = source or self.name
+        text = raw.strip()
+
+        def bad(why: str = "") -> FlagError:
+            via = "" if source == self.name else f" (alias of {self.name})"
+            return FlagError(
+                f"{source}{via}={raw!r} is not valid{': ' + why if why else ''}; "
+                f"accepted: {self.accepted()}. {self.doc}"
+            )
+
+        if self.kind == "bool":
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise bad()
+        if self.kind in ("int", "float"):
+            try:
+                value: Any = int(text, 0) if self.kind == "int" else float(text)
+            except ValueError:
+                raise bad() from None
+            if self.minimum is not None and value < self.minimum:
+                raise bad("below the minimum")
+            if self.maximum is not None and value > self.maximum:
+                raise bad("above the maximum")
+            return value
+        if self.kind == "enum":
+            low = text.lower()
+            if low not in self.choices:
+                raise bad()
+            return low
+        if self.kind == "list":
+            items = [p.strip() for p in text.split(",") if p.strip()]
+            if self.choices:
+                wrong = [p for p in items if p not in self.choices]
+                if wrong:
+                    raise bad(f"unknown item(s) {', '.join(map(repr, wrong))}")
+            if self.minimum is not None:  # numeric list (e.g. a batch-size ladder)
+                try:
+                    nums = [int(p) for p in items]
+                except ValueError:
+                    raise bad("items must be integers") from None
+                if any(n < self.minimum for n in nums):
+                    raise bad("an item is below the minimum")
+                return tuple(nums)
+            return tuple(items)
+        return text  # str / path
+
+    # -- reading ---------------------------------------------------------------
+    def lookup(self, env: Mapping[str, str]) -> tuple[str | None, str]:
+        """The raw text for this flag and where it came from ('default' if unset)."""
+        if self.name in env:
+            return env[self.name], self.name
+        for alias in self.aliases:
+            if alias in env:
+                raw = env[alias]
+                if self.alias_map is not None:
+                    raw = self.alias_map(alias, raw)
+                return raw, alias
+        return None, "default"
+
+    def read(self, env: Mapping[str, str] | None = None) -> Any:
+        """Parse from ``env`` (default: ``os.environ``) without caching."""
+        raw, source = self.lookup(os.environ if env is None else env)
+        return self.default if raw is None else self.parse(raw, source)
+
+    @property
+    def value(self) -> Any:
+        """The value for this process (parsed once)."""
+        return _REGISTRY.value(self)
+
+    @property
+    def explicitly_set(self) -> bool:
+        return self.lookup(os.environ)[1] != "default"
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.flags: dict[str, Flag] = {}
+        self._values: dict[str, Any] = {}
+        self._sources: dict[str, str] = {}
+        self._noticed: set[str] = set()
+
+    def add(self, flag: Flag) -> Flag:
+        old = self.flags.get(flag.name)
+        if old is not None and old != flag:
+            raise FlagError(f"flag {flag.name} is defined twice with different meanings")
+        for other in self.flags.values():
+            shared = set(other.aliases) & set(flag.aliases)
+            if other.name != flag.name and shared:
+                raise FlagError(f"alias {sorted(shared)[0]} is claimed by {other.name} and {flag.name}")
+        self.flags[flag.name] = flag
+        return flag
+
+    def value(self, flag: Flag) -> Any:
+        if flag.name not in self._values:
+            raw, source = flag.lookup(os.environ)
+            value = flag.default if raw is None else flag.parse(raw, source)
+            if source not in ("default", flag.name) and source not in self._noticed:
+                self._noticed.add(source)
+                log.warning("ascend-rl: %s is the seed recipe's name for %s; it is honoured, "
+                            "but prefer %s", source, flag.name, flag.name)
+            self._values[flag.name] = value
+            self._sources[flag.name] = source
+        return self._values[flag.name]
+
+    def source(self, flag: Flag) -> str:
+        self.value(flag)
+        return self._sources[flag.name]
+
+    def validate_all(self) -> None:
+        """Parse every flag now; raise one FlagError listing every bad variable."""
+        errors = []
+        for flag in self.flags.values():
+            try:
+                self.value(flag)
+            except FlagError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise FlagError("invalid ascend-rl flag(s):\n  " + "\n  ".join(errors))
+
+    def unknown_canonical(self, env: Mapping[str, str] | None = None) -> list[str]:
+        """``ASCEND_RL_*`` variables that no flag declares (likely typos)."""
+        env = os.environ if env is None else env
+        return sorted(k for k in env if k.startswith(PREFIX) and k not in self.flags)
+
+    def reset_cache(self) -> None:
+        """Forget parsed values (tests change the environment between cases)."""
+        self._values.clear()
+        self._sources.clear()
+        self._noticed.clear()
+
+
+_REGISTRY = _Registry()
+
+
+def define(name: str, kind: str, default: Any, doc: str, *, aliases: Iterable[str] = (),
+           choices: Sequence[str] = (), minimum: float | None = None,
+           maximum: float | None = None, feature: str = "",
+           alias_map: Callable[[str, str], str] | None = None) -> Flag:
+    """Declare a flag. Names must be ``ASCEND_RL_<FEATURE>[_<OPTION>]``."""
+    if not name.startswith(PREFIX) or name != name.upper():
+        raise FlagError(f"flag name {name!r} must be upper case and start with {PREFIX}")
+    if kind not in ("bool", "int", "float", "str", "enum", "list", "path"):
+        raise FlagError(f"flag {name}: unknown kind {kind!r}")
+    if kind == "enum" and not choices:
+        raise FlagError(f"flag {name}: an enum needs choices")
+    return _REGISTRY.add(Flag(name, kind, default, doc, tuple(aliases),
+                              tuple(c.lower() for c in choices) if kind == "enum" else tuple(choices),
+                              minimum, maximum, feature, alias_map))
+
+
+def all_flags() -> list[Flag]:
+    return sorted(_REGISTRY.flags.values(), key=lambda f: f.name)
+
+
+def get(name: str) -> Flag:
+    return _REGISTRY.flags[name]
+
+
+def source_of(flag: Flag) -> str:
+    return _REGISTRY.source(flag)
+
+
+def validate_all() -> None:
+    _REGISTRY.validate_all()
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
+    return _REGISTRY.unknown_canonical(env)
+
+
+def reset_cache() -> None:
+    _REGISTRY.reset_cache()
+
+
+# Framework-wide flags (the framework's own, not a feature's).
+STRICT = define("ASCEND_RL_STRICT", "bool", False,
+                "Turn a missing target of an enabled patch into an error instead of a warning.",
+                feature="framework")
+AUTOLOAD = define("ASCEND_RL_AUTOLOAD", "bool", True,
+                  "Activate the patches when ascend_rl_plugins is imported (0: only through "
+                  "the vLLM/verl entry points or an explicit ascend_rl_plugins.activate()).",
+                  feature="framework")
+DISABLE = define("ASCEND_RL_DISABLE", "list", (),
+                 "Comma-separated patch or feature names to leave unapplied even when their "
+                 "flag is on ('all' disables every patch).", feature="framework")
+LOG_LEVEL = define("ASCEND_RL_LOG_LEVEL", "enum", "warning",
+                   "Log level of the ascend_rl_plugins logger.",
+                   choices=("debug", "info", "warning", "error"), feature="framework")

@@ -1,0 +1,8 @@
+"""The patch framework: declarative, lazy, idempotent, revertible runtime patches.
+
+It knows nothing about the features; they import it and declare their patches.
+"""
+
+from .core import REGISTRY, ConflictError, Feature, Outcome, Patch, PatchError
+
+__all__ = ["REGISTRY", "ConflictError", "Feature", "Outcome", "Patch", "PatchError"]

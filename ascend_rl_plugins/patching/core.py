@@ -1,0 +1,511 @@
+"""Patch objects: declared once, applied lazily, idempotent, revertible, accounted for.
+
+A patch names its target as ``module.path:Qualified.name``. Several patches may touch one
+target; the installed object is always *composed* from the pristine original plus the
+active patches (at most one replacement, then wrappers from the lowest ``order`` outwards),
+so reverting any one of them, in any order, leaves exactly what the others need, and
+reverting all of them puts back the very object that was there before.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .. import flags as _flags
+
+# wrapt (asyncio since 2.x), packaging, importlib.metadata and ast cost ~150 ms together:
+# they are imported only once a patch is actually enabled, so a process that loads the
+# plugin with every flag off pays almost nothing.
+
+log = logging.getLogger("ascend_rl_plugins")
+
+KINDS = ("replace", "wrap", "before", "after", "set")
+_WRAPPER_KINDS = ("wrap", "before", "after")
+_MISSING = object()
+
+
+class PatchError(RuntimeError):
+    """A patch could not be applied (raised only under ASCEND_RL_STRICT=1 or on misuse)."""
+
+
+class ConflictError(PatchError):
+    """Two patches want the same target in incompatible ways."""
+
+
+@dataclass
+class Outcome:
+    state: str  # pending | applied | skipped | failed | reverted | inactive
+    reason: str = ""
+    at: float = field(default_factory=time.time)
+
+
+@dataclass(eq=False)
+class Patch:
+    """One runtime change to one upstream object."""
+
+    name: str
+    target: str
+    kind: str
+    impl: Any
+    feature: "Feature"
+    dist: str | None  # None: no distribution gate (e.g. a stdlib target)
+    versions_text: str | None  # a packaging specifier; None = any version
+    reason: str
+    remove_when: str = ""
+    replaces: str = ""  # the seed patch / upstream issue this stands in for
+    fixed_upstream: str = ""  # shown by doctor when the version is outside the range
+    enabled_by: Any = None  # Flag | callable() -> bool | None (the feature's flag)
+    order: int | None = None
+    create: bool = False  # kind == "set": the attribute may not exist yet
+    rebind: bool = True  # rebind `from module import name` copies elsewhere
+    params: tuple[str, ...] | None = None  # parameter names the patch relies on
+    outcome: Outcome = field(default_factory=lambda: Outcome("inactive"))
+    original: Any = None  # the pristine original (set while applied)
+
+    # -- identity -----------------------------------------------------------------
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.split(":")[1]
+
+    @property
+    def import_name(self) -> str:
+        return self.module.split(".")[0]
+
+    @property
+    def versions(self):
+        """The supported range as a SpecifierSet (None: any)."""
+        from . import versions as _versions
+        return _versions.parse_specifier(self.versions_text)
+
+    @property
+    def is_wrapper(self) -> bool:
+        return self.kind in _WRAPPER_KINDS
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.kind} {self.target})"
+
+    # -- gates ----------------------------------------------------------------------
+    def flag_state(self) -> tuple[bool, str]:
+        """Is the patch switched on, and which flag decided it."""
+        gate = self.enabled_by if self.enabled_by is not None else self.feature.flag
+        disabled = set(_flags.DISABLE.value)
+        if "all" in disabled or self.name in disabled or self.feature.name in disabled:
+            return False, "listed in ASCEND_RL_DISABLE"
+        if gate is None:
+            return True, "always on"
+        if isinstance(gate, _flags.Flag):
+            on = bool(gate.value)
+            return on, f"{gate.name}={'on' if on else 'off'}"
+        on = bool(gate())
+        return on, "condition " + getattr(gate, "__name__", "callable") + ("" if on else " not met")
+
+    def explicitly_enabled(self) -> bool:
+        gate = self.enabled_by if self.enabled_by is not None else self.feature.flag
+        return isinstance(gate, _flags.Flag) and gate.explicitly_set and bool(gate.value)
+
+    def version_state(self, roots=None) -> tuple[str, str | None, str]:
+        """('ok' | 'outside' | 'absent', version, detail)."""
+        if self.dist is None:
+            return "ok", None, "no distribution gate"
+        from . import versions as _versions
+        found = (_versions.installed_version(self.dist, self.import_name) if roots is None
+                 else _versions.tree_version(self.dist, roots, self.import_name))
+        if found is None:
+            return "absent", None, f"{self.dist} not installed"
+        dist, version = found
+        if _versions.in_range(version, self.versions):
+            return "ok", version, f"{dist} {version}"
+        if self.fixed_upstream:
+            return "outside", version, f"{dist} {version}: fixed upstream ({self.fixed_upstream})"
+        return "outside", version, f"{dist} {version} outside supported range {self.versions}"
+
+
+class Feature:
+    """A named group of patches and flags; a feature module builds one at import."""
+
+    def __init__(self, name: str, summary: str, flag: "_flags.Flag | None" = None, *,
+                 replaces: str = "", verified: str = "", stacks: str = ""):
+        self.name = name
+        self.summary = summary
+        self.flag = flag
+        self.replaces = replaces
+        self.verified = verified  # how it is verified here: "runtime on CPU", "static only", ...
+        self.stacks = stacks
+        self.patches: list[Patch] = []
+        REGISTRY.add_feature(self)
+
+    def __repr__(self) -> str:
+        return f"Feature({self.name!r}, {len(self.patches)} patches)"
+
+    # -- declaring patches ---------------------------------------------------------------
+    def patch(self, kind: str, target: str, impl: Any = _MISSING, *, dist: str | None, reason: str,
+              versions: str | None = None, name: str | None = None, **extra) -> Any:
+        """Declare a patch; usable as a decorator when ``impl`` is omitted."""
+        if kind not in KINDS:
+            raise PatchError(f"unknown patch kind {kind!r}; accepted: {', '.join(KINDS)}")
+        _split_target(target)
+        if not reason:
+            raise PatchError(f"patch on {target} needs a reason")
+
+        def register(obj: Any) -> Any:
+            pname = name or f"{self.name}.{getattr(obj, '__name__', target.split(':')[1].split('.')[-1])}"
+            p = Patch(pname, target, kind, obj, self, dist, versions, reason, **extra)
+            REGISTRY.add_patch(p)
+            self.patches.append(p)
+            if kind != "set" and callable(obj):
+                try:
+                    obj.__ascend_rl_patch__ = p  # lets code and tests find the patch of a hook
+                except (AttributeError, TypeError):
+                    pass
+            return obj
+
+        if impl is _MISSING:
+            return register
+        register(impl)
+        return self.patches[-1]
+
+    def replace(self, target, impl=_MISSING, **kw):
+        return self.patch("replace", target, impl, **kw)
+
+    def wrap(self, target, impl=_MISSING, **kw):
+        return self.patch("wrap", target, impl, **kw)
+
+    def before(self, target, impl=_MISSING, **kw):
+        return self.patch("before", target, impl, **kw)
+
+    def after(self, target, impl=_MISSING, **kw):
+        return self.patch("after", target, impl, **kw)
+
+    def set(self, target, value, **kw):
+        return self.patch("set", target, value, **kw)
+
+
+# -- composing -------------------------------------------------------------------------
+
+def _make_wrapper(p: Patch) -> Callable:
+    if p.kind == "wrap":
+        return p.impl
+    if p.kind == "before":
+        hook = p.impl
+
+        def before(wrapped, instance, args, kwargs):
+            changed = hook(instance, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            return wrapped(*args, **kwargs)
+        return before
+
+    hook = p.impl
+
+    def after(wrapped, instance, args, kwargs):
+        return hook(wrapped(*args, **kwargs), instance, args, kwargs)
+    return after
+
+
+def _as_descriptor_like(original: Any, replacement: Any) -> Any:
+    """Keep staticmethod/classmethod-ness when a plain function replaces a method."""
+    if isinstance(original, staticmethod) and isinstance(replacement, types.FunctionType):
+        return staticmethod(replacement)
+    if isinstance(original, classmethod) and isinstance(replacement, types.FunctionType):
+        return classmethod(replacement)
+    return replacement
+
+
+class _Slot:
+    """The patches active on one target, and what to restore."""
+
+    def __init__(self, parent: Any, attribute: str, original: Any, own: bool):
+        self.parent = parent
+        self.attribute = attribute
+        self.original = original  # raw object (class __dict__ entry for methods)
+        self.own = own  # the attribute lived on parent itself (else inherited / absent)
+        self.active: list[Patch] = []
+        self.installed: Any = original
+        self.rebound: dict[tuple[str, str], Any] = {}  # (module, name) -> object rebound there
+
+    def compose(self) -> Any:
+        obj = self.original
+        for p in self.active:
+            if p.kind in ("replace", "set"):
+                obj = _as_descriptor_like(self.original, p.impl)
+        import wrapt
+        for p in sorted((p for p in self.active if p.is_wrapper), key=lambda p: p.order or 0):
+            obj = wrapt.FunctionWrapper(obj, _make_wrapper(p))
+        return obj
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    if target.count(":") != 1:
+        raise PatchError(f"target {target!r} must look like 'module.path:Qualified.name'")
+    module, qualname = target.split(":")
+    if not all(p.isidentifier() for p in module.split(".") + qualname.split(".")):
+        raise PatchError(f"target {target!r} must look like 'module.path:Qualified.name'")
+    return module, qualname
+
+
+def _resolve_runtime(target: str) -> tuple[Any, str, Any, bool]:
+    module_name, qualname = _split_target(target)
+    parent: Any = sys.modules[module_name]
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        parent = _lookup(parent, part)
+        if parent is _MISSING:
+            raise AttributeError(f"{module_name} has no {'.'.join(parts[:-1])}")
+    attr = parts[-1]
+    if isinstance(parent, type):
+        own = attr in vars(parent)
+        raw = _lookup(parent, attr)
+    else:
+        own = hasattr(parent, attr)
+        raw = getattr(parent, attr, _MISSING)
+    return parent, attr, raw, own
+
+
+def _lookup(parent: Any, attr: str) -> Any:
+    if isinstance(parent, type):  # raw descriptor from the MRO, like inspect.getattr_static
+        for klass in parent.__mro__:
+            if attr in vars(klass):
+                return vars(klass)[attr]
+        return _MISSING
+    return getattr(parent, attr, _MISSING)
+
+
+class Registry:
+    """Every feature and patch of this process, and what happened to each."""
+
+    def __init__(self) -> None:
+        self.features: dict[str, Feature] = {}
+        self.patches: dict[str, Patch] = {}
+        self._slots: dict[str, _Slot] = {}
+        self._hooked: set[str] = set()
+        self._lock = threading.RLock()
+
+    # -- registration ----------------------------------------------------------------
+    def add_feature(self, feature: Feature) -> None:
+        old = self.features.get(feature.name)
+        if old is not None and old is not feature:
+            raise PatchError(f"feature {feature.name!r} is defined twice")
+        self.features[feature.name] = feature
+
+    def add_patch(self, p: Patch) -> None:
+        old = self.patches.get(p.name)
+        if old is not None:
+            raise PatchError(f"patch name {p.name!r} is used twice ({old.target} and {p.target})")
+        if not p.is_wrapper:
+            for other in self.patches.values():
+                if (other.target == p.target and not other.is_wrapper
+                        and other.versions_text == p.versions_text):
+                    raise ConflictError(f"patches {other.name} and {p.name} both replace {p.target} "
+                                        f"for the same versions ({p.versions or 'all'})")
+        self.patches[p.name] = p
+
+    # -- decisions ---------------------------------------------------------------------
+    def decide(self, p: Patch) -> tuple[bool, str]:
+        """Should ``p`` be applied in this process? (no import happens here)"""
+        on, why = p.flag_state()
+        if not on:
+            return False, f"flag off ({why})"
+        vstate, _, vwhy = p.version_state()
+        if vstate != "ok":
+            return False, vwhy
+        return True, why
+
+    # -- applying ------------------------------------------------------------------------
+    def activate(self, only: Iterable[Patch] | None = None) -> None:
+        """Apply every enabled patch now, or when its module gets imported."""
+        with self._lock:
+            for p in list(only if only is not None else self.patches.values()):
+                if p.outcome.state in ("applied", "pending"):
+                    continue
+                try:
+                    ok, why = self.decide(p)
+                except _flags.FlagError:
+                    raise
+                except Exception as exc:  # a broken gate must not break the host process
+                    self._fail(p, f"gate raised {type(exc).__name__}: {exc}", exc)
+                    continue
+                if not ok:
+                    p.outcome = Outcome("skipped", why)
+                    continue
+                from . import static as _static
+                if p.module in sys.modules:
+                    self.apply(p)
+                elif not _static.module_exists(p.module):
+                    self._missing(p, f"target module {p.module} does not exist in the installed "
+                                     f"{p.dist}")
+                else:
+                    p.outcome = Outcome("pending", f"waiting for import of {p.module}")
+                    self._hook(p.module)
+
+    def _hook(self, module: str) -> None:
+        if module in self._hooked:
+            return
+        self._hooked.add(module)
+
+        def on_import(mod: types.ModuleType) -> None:
+            with self._lock:
+                for p in list(self.patches.values()):
+                    if p.module == module and p.outcome.state == "pending":
+                        self.apply(p)
+        import wrapt
+        wrapt.register_post_import_hook(on_import, module)
+
+    def apply(self, p: Patch) -> bool:
+        """Apply ``p`` now (its module must be importable). Idempotent."""
+        with self._lock:
+            slot = self._slots.get(p.target)
+            if slot is not None and p in slot.active:
+                return True
+            try:
+                if p.module not in sys.modules:
+                    __import__(p.module)
+                parent, attr, raw, own = _resolve_runtime(p.target)
+            except Exception as exc:
+                self._missing(p, f"target {p.target} not found: {exc}")
+                return False
+            if raw is _MISSING and not (p.kind == "set" and p.create):
+                self._missing(p, f"target {p.target} not found: {attr!r} is absent")
+                return False
+            if slot is None:
+                slot = _Slot(parent, attr, raw, own)
+            elif slot.installed is not raw:
+                self._fail(p, f"{p.target} was changed by someone else since ascend-rl patched it; "
+                              f"refusing to stack on an unknown object")
+                return False
+            for other in slot.active:
+                if not p.is_wrapper and not other.is_wrapper:
+                    return self._conflict(p, f"{p.name} and {other.name} both replace {p.target}")
+                if p.is_wrapper and other.is_wrapper and (p.order is None or other.order is None
+                                                         or p.order == other.order):
+                    return self._conflict(p, f"{p.name} and {other.name} both wrap {p.target} "
+                                             f"without distinct declared orders")
+            if p.params is not None and callable(raw):
+                missing = _missing_params(raw, p.params)
+                if missing:
+                    self._missing(p, f"{p.target} no longer takes parameter(s) {', '.join(missing)}")
+                    return False
+            try:
+                slot.active.append(p)
+                self._install(slot)
+            except Exception as exc:
+                slot.active.remove(p)
+                self._fail(p, f"{type(exc).__name__}: {exc}", exc)
+                return False
+            self._slots[p.target] = slot
+            p.original = slot.original
+            p.outcome = Outcome("applied", f"{p.kind} {p.target}")
+            log.debug("ascend-rl: applied %s", p.describe())
+            return True
+
+    def revert(self, p: Patch) -> bool:
+        """Undo ``p``; the target gets back exactly what the remaining patches make of it."""
+        with self._lock:
+            if p.outcome.state == "pending":
+                p.outcome = Outcome("reverted", "never applied (module was not imported)")
+                return True
+            slot = self._slots.get(p.target)
+            if slot is None or p not in slot.active:
+                return False
+            current = _lookup(slot.parent, slot.attribute) if isinstance(slot.parent, type) \
+                else getattr(slot.parent, slot.attribute, _MISSING)
+            if current is not slot.installed:
+                raise PatchError(f"cannot revert {p.name}: {p.target} was replaced by someone else "
+                                 f"after ascend-rl patched it")
+            slot.active.remove(p)
+            self._install(slot)
+            if not slot.active:
+                del self._slots[p.target]
+            p.original = None
+            p.outcome = Outcome("reverted", "")
+            return True
+
+    def revert_all(self) -> None:
+        for p in reversed(list(self.patches.values())):
+            if p.outcome.state in ("applied", "pending"):
+                self.revert(p)
+
+    def _install(self, slot: _Slot) -> None:
+        previous = slot.installed
+        new = slot.compose() if slot.active else slot.original
+        if new is _MISSING or (not slot.active and not slot.own):
+            if slot.attribute in vars(slot.parent):
+                delattr(slot.parent, slot.attribute)
+        else:
+            setattr(slot.parent, slot.attribute, new)
+        slot.installed = new
+        if isinstance(slot.parent, types.ModuleType) and any(p.rebind for p in slot.active) | bool(slot.rebound):
+            self._rebind(slot, previous, new)
+
+    def _rebind(self, slot: _Slot, previous: Any, new: Any) -> None:
+        """Rebind copies that other modules made with ``from module import name``."""
+        if previous is _MISSING:
+            return
+        current = slot.original if new is _MISSING else new
+        for key, bound in list(slot.rebound.items()):  # copies we rebound earlier
+            mod = sys.modules.get(key[0])
+            if mod is not None and vars(mod).get(key[1]) is bound:
+                setattr(mod, key[1], current)
+                slot.rebound[key] = current
+            else:
+                del slot.rebound[key]
+        if current is slot.original:
+            slot.rebound.clear()
+            return
+        for modname, mod in list(sys.modules.items()):
+            if mod is None or mod is slot.parent or not isinstance(mod, types.ModuleType):
+                continue
+            namespace = mod.__dict__
+            for name, value in list(namespace.items()):
+                if (value is previous or value is slot.original) and (modname, name) not in slot.rebound:
+                    namespace[name] = current
+                    slot.rebound[(modname, name)] = current
+
+    # -- outcomes --------------------------------------------------------------------
+    def _missing(self, p: Patch, why: str) -> bool:
+        p.outcome = Outcome("skipped", why)
+        if _flags.STRICT.value:
+            raise PatchError(f"ascend-rl: {p.name}: {why} (ASCEND_RL_STRICT=1)")
+        log.warning("ascend-rl: %s not applied: %s", p.name, why)
+        return False
+
+    def _fail(self, p: Patch, why: str, exc: BaseException | None = None) -> bool:
+        p.outcome = Outcome("failed", why)
+        log.error("ascend-rl: %s failed: %s", p.name, why)
+        if _flags.STRICT.value:
+            raise PatchError(f"ascend-rl: {p.name}: {why}") from exc
+        return False
+
+    def _conflict(self, p: Patch, why: str) -> bool:
+        p.outcome = Outcome("failed", "conflict: " + why)
+        raise ConflictError(why)
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"patch": p.name, "feature": p.feature.name, "target": p.target, "kind": p.kind,
+                 "state": p.outcome.state, "reason": p.outcome.reason}
+                for p in self.patches.values()]
+
+
+def _missing_params(obj: Any, wanted: tuple[str, ...]) -> list[str]:
+    import inspect
+    fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    have = set(sig.parameters)
+    if any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        return []
+    return [w for w in wanted if w.lstrip("*") not in have]
+
+
+REGISTRY = Registry()

