@@ -81,7 +81,10 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     for name in args.stacks:
         _, roots, _ = doctor.stack_roots(name)
         stacks[os.path.basename(name.rstrip("/"))] = roots
-    print(doctor.markdown_table(stacks))
+    if args.features:
+        print(doctor.markdown_features())
+    else:
+        print(doctor.markdown_table(stacks))
     return 0
 
 
@@ -100,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_env)
     c = sub.add_parser("conformance", help="markdown table of every patch against named stacks")
-    c.add_argument("stacks", nargs="+", help="stack names or directories")
+    c.add_argument("stacks", nargs="*", default=["recipe", "current"], help="stack names or directories")
+    c.add_argument("--features", action="store_true", help="print the README feature table instead")
     c.set_defaults(func=cmd_conformance)
     # feature commands (e.g. `ascend-rl flashrl ...`): a feature module exposes register_cli
     from . import features

@@ -64,12 +64,22 @@ class Row:
 
 
 def evaluate(p: Patch, roots: Sequence[str] | None = None) -> Row:
-    enabled, flag_why = p.flag_state()
+    try:
+        enabled, flag_why = p.flag_state()
+    except Exception as exc:  # a broken condition is reported, not fatal to the report
+        enabled, flag_why = False, f"condition raised {type(exc).__name__}: {exc}"
     vstate, version, vwhy = p.version_state(roots)
     res = None
     where = ""
     if vstate != "absent":
         r = _static.resolve_static(p.target, roots)
+        if not r.found and p.kind == "set" and p.create:
+            # the attribute is created by the patch: only its owner has to exist
+            module, qualname = p.target.split(":")
+            owner = qualname.rsplit(".", 1)[0] if "." in qualname else None
+            r = (_static.resolve_static(f"{module}:{owner}", roots) if owner
+                 else _static.StaticResult(_static.module_exists(module, roots), f"module {module} not found",
+                                           _static.locate_module(module, roots)))
         res = r.found
         where = r.where() if r.found else r.why
         if r.found and p.params is not None and r.params is not None and not any(x.startswith("**") for x in r.params):
@@ -90,7 +100,7 @@ def evaluate(p: Patch, roots: Sequence[str] | None = None) -> Row:
     elif enabled:
         verdict, problem = "will apply", False
     else:
-        verdict, problem = f"off ({flag_why})", False
+        verdict, problem = "off", False
     return Row(p.feature.name, p.name, p.target, p.kind, p.dist, version, str(p.versions or "any"),
                enabled, flag_why, vstate, res, where, verdict, problem)
 
@@ -210,4 +220,19 @@ def markdown_table(stacks: dict[str, Sequence[str]]) -> str:
             else:
                 cells.append(f"resolves ({r.version})" if r.resolves else f"**missing** ({r.version})")
         lines.append(f"| {p.feature.name} | `{p.name}` | `{p.target}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_features() -> str:
+    """Feature table: name, flags, what it replaces, stacks, how it is verified here."""
+    from . import flags as _flags
+    lines = ["| feature | flags | what it replaces | stacks where it applies | how it is verified here |",
+             "|---|---|---|---|---|"]
+    for name in sorted(REGISTRY.features):
+        f = REGISTRY.features[name]
+        names = [fl.name for fl in _flags.all_flags() if fl.feature == name]
+        if f.flag is not None and f.flag.name not in names:
+            names.insert(0, f.flag.name)
+        lines.append(f"| {name} | {', '.join(f'`{n}`' for n in names) or '-'} | {f.replaces or '-'} | "
+                     f"{f.stacks or '-'} | {f.verified or '-'} |")
     return "\n".join(lines)

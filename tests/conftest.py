@@ -21,4 +21,3 @@ def tiny_model_path():
     return tiny_qwen3.cached()
 
 
-requires_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not installed in this interpreter")

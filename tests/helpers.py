@@ -60,3 +60,11 @@ def stack_name() -> str | None:
     if v is None:
         return None
     return "recipe" if v.startswith("0.13") else "current" if v.startswith("0.23") else None
+
+
+def _requires_vllm():
+    import pytest
+    return pytest.mark.skipif(vllm_version() is None, reason="vLLM is not installed in this interpreter")
+
+
+requires_vllm = _requires_vllm()

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from ascend_rl_plugins import plugin
-from ascend_rl_plugins.doctor import cache_dir, evaluate, markdown_table, stack_roots
+from ascend_rl_plugins.doctor import cache_dir, evaluate, markdown_features, markdown_table, stack_roots
 from ascend_rl_plugins.patching.core import REGISTRY
 
 STACKS = ("recipe", "current")
@@ -49,3 +49,11 @@ def test_readme_conformance_table_is_current():
     assert m.group(1).strip() == markdown_table(stacks).strip(), (
         "README conformance table is stale: regenerate with "
         "`ascend-rl conformance recipe current` and paste it between the markers")
+
+
+def test_readme_feature_table_is_current():
+    text = open(README, encoding="utf-8").read()
+    m = re.search(r"<!-- features:begin -->\n(.*?)\n<!-- features:end -->", text, re.S)
+    assert m, "README.md lacks the feature table markers"
+    assert m.group(1).strip() == markdown_features().strip(), (
+        "README feature table is stale: regenerate with `ascend-rl conformance --features`")

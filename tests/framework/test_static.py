@@ -58,3 +58,10 @@ def test_locate_module_does_not_execute_parent_packages(tmp_path):
     assert locate_module("explodes.sub.mod", [str(tmp_path)]).endswith("mod.py")
     r = resolve_static("explodes.sub.mod:A.f", [str(tmp_path)])
     assert r.found and r.params == ("self", "x")
+
+
+@pytest.mark.parametrize("stack", ["recipe", "current"])
+def test_names_imported_from_the_standard_library_resolve_in_a_stack(stack):
+    roots = _stack(stack)
+    r = resolve_static("vllm.model_executor.layers.rotary_embedding.common:find_spec", roots)
+    assert r.found and any("importlib.util" in v for v in r.via)

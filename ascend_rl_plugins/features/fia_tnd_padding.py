@@ -1,0 +1,124 @@
+"""FIA TND padding for the main model's full-graph attention parameter update (vLLM-Ascend 0.13).
+
+Why: in the TND layout ``npu_fused_infer_attention_score`` requires the last entry of
+``actual_seq_lengths`` (cumulative query ends) to equal the number of query tokens, i.e.
+the graph's padded ``runtime_shape``, and ``actual_seq_lengths_kv`` to have one entry per
+request. With CANN 8.5.0 an unpadded update after a padded graph replay is rejected or
+reads garbage (seed 003, vLLM-Ascend patch 0005). vLLM-Ascend 0.13's
+``compilation.acl_graph._update_attn_fia_params`` pads these lists for the draft model
+only; the main-model branch passes ``attn_metadata[key].actual_seq_lengths_q`` and
+``.seq_lens_list`` as they are.
+
+Fix: the seed edits the middle of that function. Here the function is wrapped instead:
+for the main model, it gets a view of the forward context whose attention metadata are
+shallow copies carrying padded lists (dummy decode-shaped requests of ``1 + num
+speculative tokens`` query tokens up to ``runtime_shape``, KV length 0). The engine's own
+metadata objects are never mutated. ``update_attn_params`` calls it as a module global,
+so no from-import copy needs rebinding.
+
+Not needed for vLLM-Ascend 0.23: its model runner inserts a padding request into
+``query_start_loc`` (``_pad_query_start_loc_for_fia``) and its metadata builder pads
+``seq_lens_list``, so the range stops before it. Remove when the oldest supported
+vLLM-Ascend has that upstream fix.
+"""
+
+from __future__ import annotations
+
+from .. import flags
+from ..patching import Feature
+
+ENABLE = flags.define(
+    "ASCEND_RL_FIA_TND_PADDING", "bool", False,
+    "Pad the main model's FIA TND sequence-length lists to the graph's token count during "
+    "full-graph parameter updates (vLLM-Ascend 0.13; fixed upstream in 0.23).",
+    feature="fia_tnd_padding")
+
+FEATURE = Feature(
+    "fia_tnd_padding", "Pad FIA TND actual_seq_lengths(_kv) of the main model in graph updates.",
+    flag=ENABLE, replaces="seed 003 vLLM-Ascend 0005-vllm_ascend-bugfix-align_FIA_input_for_TND_layout",
+    verified="padding function property-tested; the real vLLM-Ascend 0.13 _update_attn_fia_params "
+             "(compiled from source) run with torch/torch_npu doubles; hook point statically",
+    stacks="recipe (current: fixed upstream)")
+
+
+def pad_fia_tnd(actual_seq_lengths_q: list[int], seq_lens: list[int], runtime_shape: int,
+                step: int = 1) -> tuple[list[int], list[int]]:
+    """Cumulative query ends padded to end at ``runtime_shape``, KV lengths padded with 0.
+
+    Dummy requests take ``step`` query tokens each (the last one the remainder), so a
+    padded decode batch keeps the shape it was captured with. Inputs are not modified;
+    already-padded input is returned as is."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    last = actual_seq_lengths_q[-1] if actual_seq_lengths_q else 0
+    if last < runtime_shape:
+        tail = list(range(last + step, runtime_shape, step))
+        tail.append(runtime_shape)
+        actual_seq_lengths_q = actual_seq_lengths_q + tail
+    missing = len(actual_seq_lengths_q) - len(seq_lens)
+    if missing > 0:
+        seq_lens = seq_lens + [0] * missing
+    return actual_seq_lengths_q, seq_lens
+
+
+class _ForwardContextView:
+    """The forward context, except for ``attn_metadata`` (padded copies)."""
+
+    def __init__(self, forward_context, attn_metadata):
+        self._forward_context = forward_context
+        self.attn_metadata = attn_metadata
+
+    def __getattr__(self, name):
+        return getattr(self._forward_context, name)
+
+
+def _padded_metadata(attn_metadata: dict, runtime_shape: int, step: int) -> dict:
+    import copy
+    copies: dict[int, object] = {}
+    out = {}
+    for key, meta in attn_metadata.items():
+        padded = copies.get(id(meta))
+        if padded is None:
+            q = getattr(meta, "actual_seq_lengths_q", None)
+            kv = getattr(meta, "seq_lens_list", None)
+            if q is None or kv is None:
+                padded = meta
+            else:
+                new_q, new_kv = pad_fia_tnd(list(q), list(kv), runtime_shape, step)
+                padded = copy.copy(meta)
+                padded.actual_seq_lengths_q = new_q
+                padded.seq_lens_list = new_kv
+            copies[id(meta)] = padded
+        out[key] = padded
+    return out
+
+
+_PARAMS = ("update_stream", "forward_context", "runtime_shape", "draft_attn_metadatas", "vllm_config")
+
+
+@FEATURE.wrap("vllm_ascend.compilation.acl_graph:_update_attn_fia_params", dist="vllm-ascend",
+              versions=">=0.13,<0.14", order=60, params=_PARAMS,
+              name="fia_tnd_padding.update_attn_fia_params",
+              fixed_upstream="vllm-ascend 0.23 (model runner pads query_start_loc with a dummy "
+                             "request; metadata builder pads seq_lens_list)",
+              reason="FIA in TND layout needs actual_seq_lengths to end at the padded token count; "
+                     "va 0.13 pads only the draft model's lists in full-graph updates",
+              replaces="seed vLLM-Ascend 0005 (edits the middle of _update_attn_fia_params)",
+              remove_when="the oldest supported vLLM-Ascend pads the main model's FIA lists "
+                          "(0.23 does, in the model runner and metadata builder)")
+def _pad_main_model(wrapped, instance, args, kwargs):
+    bound = dict(zip(_PARAMS, args))
+    bound.update(kwargs)
+    forward_context = bound.get("forward_context")
+    if forward_context is None or forward_context.is_draft_model or not forward_context.attn_metadata:
+        return wrapped(*args, **kwargs)
+    vllm_config = bound.get("vllm_config")
+    spec = getattr(vllm_config, "speculative_config", None) if vllm_config is not None else None
+    step = 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
+    view = _ForwardContextView(forward_context, _padded_metadata(
+        forward_context.attn_metadata, bound["runtime_shape"], step))
+    if len(args) > 1:
+        args = (args[0], view) + tuple(args[2:])
+    else:
+        kwargs = dict(kwargs, forward_context=view)
+    return wrapped(*args, **kwargs)

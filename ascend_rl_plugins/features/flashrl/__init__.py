@@ -1,0 +1,180 @@
+"""FlashRL: INT8 (W8A8) rollout with online quantization of every weight update.
+
+Why these patches exist: seeds 000/001 run RL rollouts in INT8 with FlashRL
+(``flash-llm-rl``), which is CUDA-bound, edits ``usercustomize.py``, replaces
+``BaseModelLoader.load_model`` with a 2-argument version that breaks on vLLM 0.23, and
+copies raw storage with ``as_strided`` (wrong for oneDNN-prepacked CPU weights and for
+vLLM-Ascend's NZ weights). Here the same capability is a set of small, version-ranged
+hooks: the engine serves the W8A8 checkpoint named by the config, each BF16 weight update
+is quantized online and reloaded through the quant method's own post-processing, and the
+lm_head may be kept in float32.
+
+When they can be removed: when vLLM's layerwise weight reload (0.23's
+``model_loader/reload``) accepts BF16 updates for compressed-tensors INT8 layers with
+an online quantization hook (then only the profile/quantizer remain), and verl drives it.
+
+Heavy imports (torch, vllm, numba) happen only inside the hooks and submodules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ... import flags
+from ...patching import Feature
+
+log = logging.getLogger("ascend_rl_plugins.flashrl")
+
+CONFIG = flags.define(
+    "ASCEND_RL_FLASHRL", "str", "",
+    "FlashRL rollout: a config file written by `ascend-rl flashrl setup` (rank r uses config r mod n), "
+    "or the preset 'bf16'; empty = off. 'int8' needs a config file (it names the W8A8 checkpoint); "
+    "'fp8' is not implemented.",
+    aliases=("FLASHRL_CONFIG",), feature="flashrl")
+LOGGING_LEVEL = flags.define(
+    "ASCEND_RL_FLASHRL_LOGGING_LEVEL", "enum", "info",
+    "Log level of the ascend_rl_plugins.flashrl logger (config selection, reload statistics).",
+    aliases=("FLASHRL_LOGGING_LEVEL",), choices=("debug", "info", "warning", "error"), feature="flashrl")
+LMHEAD_FP32 = flags.define(
+    "ASCEND_RL_FLASHRL_LMHEAD_FP32", "bool", False,
+    "Keep lm_head in float32 (weights and logits), unquantized, so rollout log-probs used by truncated "
+    "importance sampling lose no precision.",
+    aliases=("FLASHRL_LMHEAD_FP32",), feature="flashrl")
+
+FEATURE = Feature("flashrl", "INT8 W8A8 rollout with online-quantized weight reload (FlashRL)", flag=CONFIG,
+                  replaces="seeds 000/001 (flash-llm-rl: flashrl profile/setup, FLASHRL_CONFIG)",
+                  verified="runtime on CPU: vLLM 0.23 real oneDNN int8 kernel; vLLM 0.13 with a torch double "
+                           "of the oneDNN int8 ops missing from its CPU wheel; vLLM-Ascend static only",
+                  stacks="recipe, current")
+
+INDEX_ENV = "_ASCEND_RL_FLASHRL_INDEX"  # the selected config, passed from the engine to its workers
+_selected: dict = {}
+
+
+def _configure_logging() -> None:
+    log.setLevel(LOGGING_LEVEL.value.upper())
+    if not log.handlers and not logging.getLogger("ascend_rl_plugins").handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+
+
+def active_config(model_parallel_size: int | None = None):
+    """(index, RolloutConfig) for this process, validated (raises ConfigError)."""
+    if "cfg" in _selected:
+        return _selected["cfg"]
+    from . import config as cfgmod
+    _configure_logging()
+    configs = cfgmod.load_configs(CONFIG.value)
+    raw = os.environ.get(INDEX_ENV)
+    if raw is not None and model_parallel_size is None:
+        index = int(raw) % len(configs)
+    else:
+        index, _ = cfgmod.select(configs, cfgmod.dp_rank(model_parallel_size or 1))
+    chosen = configs[index]
+    chosen.validate(f"{CONFIG.name} configs[{index}]")
+    os.environ[INDEX_ENV] = str(index)
+    log.info("flashrl: using config %d of %d: fn=%s model=%s profile=%s", index, len(configs), chosen.fn,
+             chosen.model, chosen.profile)
+    _selected["cfg"] = (index, chosen)
+    return _selected["cfg"]
+
+
+@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_engine_config", dist="vllm", versions=">=0.13,<0.24",
+                order=40, params=("self",),
+                reason="serve the W8A8 checkpoint named by this rank's FlashRL config instead of the BF16 "
+                       "path the trainer passes, and fail at engine start on a bad config/profile (not "
+                       "__post_init__: vLLM loads its general plugins inside __post_init__, so a hook there "
+                       "misses the first engine when the plugin entry point is the only activation)",
+                replaces="FlashRL patch_vllm_llm (LLM.__init__ model/load_format override)",
+                remove_when="verl passes the quantized checkpoint and load format itself")
+def _flashrl_engine_args(instance, args, kwargs):
+    tp = int(getattr(instance, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(instance, "pipeline_parallel_size", 1) or 1)
+    _selected.clear()
+    os.environ.pop(INDEX_ENV, None)
+    _, cfg = active_config(tp * pp)
+    if cfg.is_int8 and cfg.model and os.path.abspath(str(instance.model)) != os.path.abspath(cfg.model):
+        log.info("flashrl: serving %s (W8A8) instead of %s", cfg.model, instance.model)
+        if getattr(instance, "tokenizer", None) in (None, ""):
+            instance.tokenizer = instance.model
+        instance.model = cfg.model
+    if cfg.is_int8 and cfg.load_format:
+        instance.load_format = cfg.load_format
+    return None
+
+
+@FEATURE.wrap("vllm.model_executor.model_loader.utils:process_weights_after_loading", dist="vllm",
+              versions=">=0.13,<0.24", order=40, params=("model", "model_config", "target_device"),
+              reason="remember each quantized layer's checkpoint-layout parameters before the quant method "
+                     "post-processes them, then wrap model.load_weights so BF16 updates are quantized "
+                     "online and reloaded in place (same storage, scales updated)",
+              replaces="FlashRL hacked_process_weights_after_loading / BaseModelLoader.load_model",
+              remove_when="vLLM's layerwise reload quantizes BF16 updates for INT8 layers by itself")
+def _flashrl_process_weights(wrapped, instance, args, kwargs):
+    from .hooks import process_weights_after_loading
+    return process_weights_after_loading(wrapped, args, kwargs)
+
+
+@FEATURE.before("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__", dist="vllm",
+                versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
+                params=("self", "num_embeddings", "embedding_dim", "params_dtype", "quant_config"),
+                reason="keep lm_head weights in float32 and unquantized (FLASHRL_LMHEAD_FP32)",
+                replaces="FlashRL patch_vllm_lmhead_to_fp32 (VocabParallelEmbedding.__init__)",
+                remove_when="vLLM offers an lm_head dtype option")
+def _flashrl_lmhead_init(instance, args, kwargs):
+    from .hooks import lmhead_fp32_init_args
+    return lmhead_fp32_init_args(args, kwargs)
+
+
+@FEATURE.wrap("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
+              dist="vllm", versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
+              params=("self", "layer", "x", "bias"),
+              reason="feed the float32 lm_head float32 hidden states so logits are computed in float32",
+              replaces="FlashRL hacked UnquantizedEmbeddingMethod.apply",
+              remove_when="vLLM offers an lm_head dtype option")
+def _flashrl_lmhead_apply(wrapped, instance, args, kwargs):
+    from .hooks import lmhead_fp32_apply
+    return lmhead_fp32_apply(wrapped, args, kwargs)
+
+
+def register_cli(subparsers) -> None:
+    """``ascend-rl flashrl {profile,setup,quantize}`` (FlashRL-compatible arguments)."""
+    from .cli import register
+    register(subparsers)
+
+
+# -- vLLM-Ascend: refuse the NZ layout the reload cannot reuse, at engine start ---------------
+
+def _ascend_require_plain_layout(scheme: str):
+    def check(instance, args, kwargs):
+        from .hooks import ascend_check_layout
+        ascend_check_layout(scheme)
+        return None
+    check.__name__ = f"ascend_require_plain_layout_{scheme}"
+    return check
+
+
+_ASCEND_TARGETS = (
+    (">=0.13,<0.14", "vllm_ascend.quantization.w8a8:AscendW8A8LinearMethod", "static", "va13_static"),
+    (">=0.13,<0.14", "vllm_ascend.quantization.w8a8_dynamic:AscendW8A8DynamicLinearMethod", "dynamic",
+     "va13_dynamic"),
+    (">=0.13,<0.14", "vllm_ascend.quantization.w8a8_dynamic:AscendW8A8DynamicFusedMoEMethod", "moe_dynamic",
+     "va13_moe"),
+    (">=0.23,<0.24", "vllm_ascend.quantization.methods.w8a8_static:AscendW8A8LinearMethod", "static",
+     "va23_static"),
+    (">=0.23,<0.24", "vllm_ascend.quantization.methods.w8a8_dynamic:AscendW8A8DynamicLinearMethod", "dynamic",
+     "va23_dynamic"),
+    (">=0.23,<0.24", "vllm_ascend.quantization.methods.w8a8_dynamic:AscendW8A8DynamicFusedMoEMethod",
+     "moe_dynamic", "va23_moe"),
+)
+for _versions, _cls, _scheme, _tag in _ASCEND_TARGETS:
+    FEATURE.before(f"{_cls}.process_weights_after_loading", _ascend_require_plain_layout(_scheme),
+                   name=f"flashrl.ascend_plain_layout_{_tag}", dist="vllm-ascend", versions=_versions, order=40,
+                   params=("self", "layer"),
+                   reason="the int8 reload copies post-processed weights into the engine's storage; that is "
+                          "exact for vLLM-Ascend's transposed ND layout but unverifiable for FRACTAL_NZ, so NZ "
+                          "is refused at engine start with the setting that disables it",
+                   replaces="FlashRL as_strided raw-storage copy (wrong for NZ weights)",
+                   remove_when="the reload is verified on an NPU with NZ weights (copy_ between NZ tensors)")

@@ -1,0 +1,118 @@
+"""Bodies of the flashrl patches (imported lazily, inside the engine process)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+log = logging.getLogger("ascend_rl_plugins.flashrl")
+
+
+def _bind(wrapped_params: tuple[str, ...], args, kwargs) -> dict:
+    bound = dict(zip(wrapped_params, args))
+    bound.update(kwargs)
+    return bound
+
+
+def process_weights_after_loading(wrapped, args, kwargs):
+    from . import active_config
+    from .profile import Profile
+    from .reload import ReloadState, install, state_of
+
+    b = _bind(("model", "model_config", "target_device"), args, kwargs)
+    model = b["model"]
+    _, cfg = active_config()
+    if not cfg.is_int8 or state_of(model) is not None:
+        return wrapped(*args, **kwargs)
+    profile = Profile.load(cfg.profile) if cfg.profile else None
+    state = ReloadState(model, b.get("model_config"), b.get("target_device"), profile, cfg.fn)
+    before = state.record_before()
+    result = wrapped(*args, **kwargs)
+    state.record_after(before)
+    n_int8 = sum(r.int8 for r in state.records.values())
+    if n_int8 == 0:
+        from .config import ConfigError
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn={cfg.fn!r} with model {cfg.model!r}, but the engine "
+                          f"loaded no INT8 W8A8 linear layer (is the checkpoint compressed-tensors W8A8?)")
+    static = sorted(r.name for r in state.records.values() if r.int8 and "input_scale" in r.specs)
+    if static:
+        from .config import ConfigError
+        raise ConfigError(
+            f"ASCEND_RL_FLASHRL: {cfg.model!r} uses static (per-tensor input_scale) activations "
+            f"({len(static)} layers, e.g. {static[0]}); the online reload supports the dynamic per-token "
+            f"scheme only (on vLLM 0.23 CPU a reload of a static layer corrupted the heap in the oneDNN "
+            f"path). Re-quantize with `ascend-rl flashrl quantize --scheme dynamic`.")
+    state.check_profile()
+    install(model, state)
+    log.info("flashrl: %d INT8 layers ready for online-quantized reload (%d rebuilt through their quant "
+             "method, profile=%s)", n_int8, sum(r.rebuild for r in state.records.values()), cfg.profile)
+    return result
+
+
+_LMHEAD_PARAMS = None
+
+
+def lmhead_fp32_init_args(args, kwargs):
+    """ParallelLMHead(num_embeddings, embedding_dim, bias, params_dtype, org_num_embeddings,
+    padding_size, quant_config, prefix): force params_dtype=float32, quant_config=None."""
+    global _LMHEAD_PARAMS
+    if _LMHEAD_PARAMS is None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        from ...patching import REGISTRY
+        target = "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__"
+        original = next(p.original for p in REGISTRY.patches.values() if p.target == target and p.original)
+        _LMHEAD_PARAMS = list(inspect.signature(original).parameters)[1:]  # without self
+        del ParallelLMHead
+    args = list(args)
+    for name, value in (("params_dtype", torch.float32), ("quant_config", None)):
+        pos = _LMHEAD_PARAMS.index(name)
+        if pos < len(args):
+            args[pos] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def lmhead_fp32_apply(wrapped, args, kwargs):
+    """UnquantizedEmbeddingMethod.apply(layer, x, bias): with a float32 lm_head, compute the
+    logits from float32 hidden states (they stay float32; the sampler works in float32)."""
+    b = _bind(("layer", "x", "bias"), args, kwargs)
+    w = getattr(b.get("layer"), "weight", None)
+    x = b.get("x")
+    if w is not None and x is not None and w.dtype == torch.float32 and x.dtype != torch.float32:
+        if len(args) >= 2:
+            args = (args[0], x.float()) + tuple(args[2:])
+        else:
+            kwargs = dict(kwargs, x=x.float())
+    return wrapped(*args, **kwargs)
+
+
+def ascend_check_layout(scheme: str) -> None:
+    """On vLLM-Ascend with an int8 FlashRL config: refuse layouts the reload cannot reuse."""
+    from . import active_config
+    from .ascend_layout import require_reloadable, w8a8_layout
+    _, cfg = active_config()
+    if not cfg.is_int8:
+        return
+    from importlib.metadata import version
+    va_version = version("vllm-ascend")
+    additional: dict = {}
+    is_310p = False
+    try:  # 0.23: the decision reads ascend_config.weight_nz_mode and utils.is_310p()
+        from vllm_ascend.ascend_config import get_ascend_config
+        mode = getattr(get_ascend_config(), "weight_nz_mode", None)
+        if mode is not None:
+            additional["weight_nz_mode"] = mode
+    except Exception:  # noqa: BLE001  (0.13 has no weight_nz_mode; the env decides)
+        pass
+    try:
+        from vllm_ascend import utils as va_utils
+        if hasattr(va_utils, "is_310p"):
+            is_310p = bool(va_utils.is_310p())
+        elif hasattr(va_utils, "get_ascend_device_type"):
+            is_310p = va_utils.get_ascend_device_type() == va_utils.AscendDeviceType._310P
+    except Exception:  # noqa: BLE001
+        pass
+    require_reloadable(w8a8_layout(va_version, scheme, additional_config=additional, is_310p=is_310p), va_version)

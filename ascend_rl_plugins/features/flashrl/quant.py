@@ -1,0 +1,149 @@
+"""INT8 W8A8 quantization math (torch, any device).
+
+One function, :func:`quantize_int8_rows`, is used by the offline checkpoint writer, by
+the profile round trip and by the online reload, so the three agree bit for bit.
+
+Layout and rounding follow compressed-tensors W8A8 ("channel" weight strategy,
+symmetric, no zero point) as consumed by vLLM's ``CompressedTensorsW8A8Int8`` and by
+vLLM-Ascend's ``AscendW8A8LinearMethod`` / ``AscendW8A8DynamicLinearMethod``:
+
+    weight_int8[n, k] = clamp(round_half_even(w[n, k] * s_col[k] * g_row[n] / scale[n]), -128, 127)
+    scale[n]          = max_k |w[n, k] * s_col[k] * g_row[n]| / 127         (float32)
+
+``s_col`` is the SmoothQuant input smoothing of the layer (folded into the preceding
+norm: ``norm' = norm / s_col``) and ``g_row`` a per-output-row gain (used to move
+``down_proj``'s input smoothing into ``up_proj``: ``up' = up / s_down``).
+
+The torch path works in row blocks of about ``block_bytes`` of float32, in place, so the
+peak extra memory is one block (at most 16 MiB) whatever the size of the tensor (FlashRL's
+formula materialises several full-size float32 temporaries instead). On CPU a numba
+kernel fuses everything per row (see :mod:`._cpu_kernels`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127.0
+# Scales below this are clamped (an all-zero row would otherwise divide by zero); the
+# value is irrelevant for such a row (its int8 weights are 0 either way).
+MIN_SCALE = 1e-10
+DEFAULT_BLOCK_BYTES = 16 << 20  # per-op overhead dominates below a few MiB
+
+
+def _block_rows(n_cols: int, block_bytes: int) -> int:
+    return max(1, block_bytes // max(1, 4 * n_cols))
+
+
+@torch.no_grad()
+def quantize_int8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
+                       row_gain: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                       scale_out: torch.Tensor | None = None,
+                       block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric INT8 quantization of a 2-D ``[out, in]`` weight.
+
+    Returns ``(int8 [out, in], float32 scale [out, 1])``; writes into ``out`` /
+    ``scale_out`` when given (e.g. straight into a parameter's storage). On CPU a fused
+    numba kernel (one pass per row, row kept in cache) does the work; elsewhere the
+    blocked torch version does. Both give identical bits (tested).
+    """
+    if (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.bfloat16, torch.float32)
+            and (out is None or (out.device.type == "cpu" and out.is_contiguous()))
+            and (scale_out is None or (scale_out.device.type == "cpu" and scale_out.is_contiguous()))):
+        from . import _cpu_kernels
+        return _cpu_kernels.quantize_int8_rows_cpu(weight, col_smooth, row_gain, out=out, scale_out=scale_out)
+    return quantize_int8_rows_torch(weight, col_smooth, row_gain, out=out, scale_out=scale_out,
+                                    block_bytes=block_bytes)
+
+
+@torch.no_grad()
+def quantize_int8_rows_torch(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
+                             row_gain: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                             scale_out: torch.Tensor | None = None,
+                             block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-agnostic blocked torch implementation of :func:`quantize_int8_rows`."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_int8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    device = weight.device
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.int8, device=device)
+    elif out.shape != (n, k) or out.dtype != torch.int8:
+        raise ValueError(f"out must be int8 {tuple(weight.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if scale_out is None:
+        scale_out = torch.empty((n, 1), dtype=torch.float32, device=device)
+    elif scale_out.numel() != n:
+        raise ValueError(f"scale_out must hold {n} scales, got {tuple(scale_out.shape)}")
+    scale_view = scale_out.view(n, 1)
+    col = None if col_smooth is None else col_smooth.to(device=device, dtype=torch.float32).reshape(1, k)
+    gain = None if row_gain is None else row_gain.to(device=device, dtype=torch.float32).reshape(n, 1)
+    rows = _block_rows(k, block_bytes)
+    buf = torch.empty((min(rows, n), k), dtype=torch.float32, device=device)
+    amax = torch.empty((min(rows, n),), dtype=torch.float32, device=device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        b = buf[: r1 - r0]
+        a = amax[: r1 - r0]
+        b.copy_(weight[r0:r1])
+        if col is not None:
+            b.mul_(col)
+        if gain is not None:
+            b.mul_(gain[r0:r1])
+        torch.linalg.vector_norm(b, ord=float("inf"), dim=1, out=a)
+        a.clamp_(min=MIN_SCALE * QMAX).div_(QMAX)
+        s = a.unsqueeze(1)
+        b.div_(s).round_().clamp_(-128.0, 127.0)
+        out[r0:r1].copy_(b)
+        scale_view[r0:r1].copy_(s)
+    return out, scale_out
+
+
+def dequantize_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scale`` (for checks; not used on hot paths)."""
+    return q.float() * scale.float().reshape(-1, 1)
+
+
+def smooth_norm(norm_weight: torch.Tensor, col_smooth: torch.Tensor) -> torch.Tensor:
+    """Fold input smoothing into the preceding norm: ``norm / s`` in the norm's dtype."""
+    return (norm_weight.float() / col_smooth.to(norm_weight.device, torch.float32)).to(norm_weight.dtype)
+
+
+def power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """Nearest power of two (in log2) of positive ``x``: smoothing by such factors is exact
+    in any float format, so the profile can recover it exactly from the checkpoints."""
+    return torch.exp2(torch.round(torch.log2(x.float().clamp_min(torch.finfo(torch.float32).tiny))))
+
+
+def smoothquant_factors(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5,
+                        exact: bool = True) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factor ``s = amax|X|^a / amax|W|^(1-a)``.
+
+    ``weights`` are the ``[out, in]`` consumers of the activation; with ``exact`` the
+    factors are rounded to powers of two (see :func:`power_of_two`).
+    """
+    w_absmax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    s = act_absmax.float().clamp_min(1e-5).pow(alpha) / w_absmax.clamp_min(1e-5).pow(1.0 - alpha)
+    s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    return power_of_two(s) if exact else s
+
+
+def dead_input_columns(qweights: list[torch.Tensor]) -> torch.Tensor:
+    """Input channels whose INT8 weights are zero in every consumer (FlashRL's
+    ``int8_prune``): the norm feeding them can be zeroed so the channel no longer
+    inflates the per-token activation scale."""
+    mask = None
+    for q in qweights:
+        m = (q == 0).all(dim=0)
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def prune_norm(norm_weight: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    return norm_weight.masked_fill(dead.to(norm_weight.device), 0)
+
+
+def flashrl_formula_int8(weight: torch.Tensor, input_scale, output_scale) -> torch.Tensor:
+    """FlashRL's ``linear_quantize`` for int8, written naively in torch (the benchmark's
+    baseline): full-size float temporaries, fixed (profiled) scales."""
+    x = weight * output_scale * input_scale
+    return torch.round(x).clamp(min=-128, max=127).to(torch.int8)

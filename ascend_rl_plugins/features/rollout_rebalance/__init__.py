@@ -1,0 +1,94 @@
+"""Rollout rebalance: move unfinished requests (with their KV cache) between DP ranks.
+
+Why these patches exist: a synchronous RL rollout ends in a long tail. A few DP ranks still
+decode many long responses in a large graph batch while others idle, and every rank steps at
+the slowest one's pace. Every N engine steps the DP ranks share their load, compute the same
+plan (``planner.py``) and migrate requests (``protocol.py``) so every rank can drop to a
+smaller graph batch; at the end, outputs go back to the rank and order the caller expects
+(``engine.py``). Seed 003 (verl patch 0011 + ``features/rollout_optimize``) hooked the same
+two points but relied on internals that no longer exist in vLLM 0.13/0.23 (graph-size config
+key, ``CachedRequestState`` import path, ``Request.mm_hashes``, indexing the block table, a
+profiling hook); this re-design re-admits requests through vLLM's own request path and its
+prefix cache instead of rebuilding runner state by hand.
+
+Where it applies: vLLM's in-process ``LLM`` with one engine per DP rank and a
+``torch.distributed`` world (verl 0.6.x spmd rollout, external launcher). verl 0.9.x runs
+rollouts through an async server (``AsyncLLM``, engine cores in subprocesses, DP through
+vLLM's coordinator): ``LLM._run_engine`` and ``LLMEngine.step`` never run there, and the
+design note in the README says where rebalancing belongs for it.
+
+Remove when: vLLM (or vLLM-Ascend) can migrate running requests between DP engines itself
+(its DP coordinator balances only new requests today).
+
+Only flags and patch declarations here; torch/vLLM/numpy are imported by the submodules,
+lazily, when a patched function first runs.
+"""
+
+from __future__ import annotations
+
+from ... import flags
+from ...patching import Feature
+
+ENABLE = flags.define(
+    "ASCEND_RL_ROLLOUT_REBALANCE", "bool", False,
+    "Rebalance unfinished requests across DP ranks during in-process vLLM rollouts (one "
+    "engine per DP rank, torch.distributed initialized).",
+    aliases=("ROLLOUT_REBALANCE_ENABLE",), feature="rollout_rebalance")
+INTERVAL = flags.define(
+    "ASCEND_RL_ROLLOUT_REBALANCE_INTERVAL", "int", 64,
+    "Engine steps between two rebalance checks (each check is one all-gather of the load).",
+    minimum=1, feature="rollout_rebalance")
+GRAPH_SIZES = flags.define(
+    "ASCEND_RL_ROLLOUT_REBALANCE_GRAPH_SIZES", "list", (4, 8, 16, 32, 64),
+    "Graph batch-size ladder the ranks run (pre-captured sizes); the planner aims at the "
+    "smallest rung every rank can fit under.", minimum=1, feature="rollout_rebalance")
+KV = flags.define(
+    "ASCEND_RL_ROLLOUT_REBALANCE_KV", "enum", "auto",
+    "How running requests move: 'auto' (KV transfer or recompute, whichever is cheaper per "
+    "request), 'on' (always with their KV blocks), 'off' (always by recompute).",
+    choices=("auto", "on", "off"), feature="rollout_rebalance")
+LOG = flags.define(
+    "ASCEND_RL_ROLLOUT_REBALANCE_LOG", "bool", False,
+    "Log every migration round (rank, requests out/in, bytes, ms) and a per-generate summary.",
+    feature="rollout_rebalance")
+
+FEATURE = Feature("rollout_rebalance",
+                  "move unfinished requests (with KV) between DP ranks in the rollout long tail",
+                  flag=ENABLE, replaces="seed 003 verl 0011 (features/rollout_optimize)",
+                  verified="runtime on CPU: 2 real vLLM engines + gloo (vLLM 0.13, 0.23); "
+                           "planner property tests; protocol on 2-4 gloo processes",
+                  stacks="recipe, current")
+
+_WHY_STEP = ("a rebalance round must run between two engine steps, when the scheduler, block "
+             "pool and output processor agree; LLMEngine.step is the last point in-process "
+             "rollouts pass through each step")
+_WHY_RUN = ("outputs of migrated requests finish on another rank: the generate loop must keep "
+            "joining rounds until every rank is idle, then return each output exactly once "
+            "and in the caller's order")
+_REMOVE = "vLLM migrates running requests between DP engines itself"
+
+
+@FEATURE.after("vllm.v1.engine.llm_engine:LLMEngine.step", dist="vllm", versions=">=0.13,<0.24",
+               order=50, params=("self",), reason=_WHY_STEP, remove_when=_REMOVE,
+               replaces="seed verl 0011 (hook.after LLMEngine.step)")
+def _rebalance_after_step(result, instance, args, kwargs):
+    from . import engine
+    return engine.after_step(result, instance)
+
+
+def _run_engine(wrapped, instance, args, kwargs):
+    from . import engine
+    return engine.run_engine(wrapped, instance, args, kwargs)
+
+
+FEATURE.wrap("vllm.entrypoints.llm:LLM._run_engine", _run_engine, dist="vllm",
+             versions=">=0.13,<0.14", order=50, params=("self",), reason=_WHY_RUN,
+             remove_when=_REMOVE, name="rollout_rebalance.run_engine_013",
+             replaces="seed verl 0011 (hook.before/after LLM._run_engine)",
+             fixed_upstream="moved to vllm.entrypoints.offline_utils:OfflineInferenceMixin")
+FEATURE.wrap("vllm.entrypoints.offline_utils:OfflineInferenceMixin._run_engine", _run_engine,
+             dist="vllm", versions=">=0.23,<0.24", order=50, params=("self",),
+             reason=_WHY_RUN + " (0.23: inherited from OfflineInferenceMixin, takes output_type)",
+             remove_when=_REMOVE, name="rollout_rebalance.run_engine_023",
+             replaces="seed verl 0011 (hook.before/after LLM._run_engine)",
+             fixed_upstream="lives in vllm.entrypoints.llm:LLM before vLLM 0.23")

@@ -1,0 +1,479 @@
+"""Rollout rebalance inside an in-process vLLM ``LLM`` (verl 0.6.x spmd rollout).
+
+Each DP rank owns one engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``LLMEngine`` ->
+``InprocClient`` -> ``EngineCore`` -> scheduler and model runner in this process). The
+``LLM._run_engine`` wrapper opens a :class:`Rollout` for the duration of one ``generate``;
+the ``LLMEngine.step`` after-hook runs a protocol round every N steps. A rank whose own work
+is done keeps joining rounds (it is the best receiver) until no rank has anything left; then
+finished outputs of migrated requests travel back to the rank that owns them, and every rank
+returns its caller's outputs, each exactly once, in the caller's order.
+
+Re-admission at the destination uses vLLM's own request path, so the scheduler, the block
+table and the model runner's persistent input batch are filled by vLLM itself:
+
+* the request is added again with prompt = original prompt + tokens generated so far, and
+  ``max_tokens``/``min_tokens`` reduced by what was generated;
+* KV migration: before it is scheduled, the transferred full KV blocks are written into
+  fresh blocks that are registered in the prefix cache under the request's own block hashes
+  (``BlockPool.cache_full_blocks``) and released to the evictable pool, so the scheduler's
+  prefix-cache lookup hands exactly those blocks to the request; only the tokens of the last,
+  partial block (< block_size) are recomputed. Without prefix caching, or without the KV,
+  the whole prefix is recomputed (migration by recompute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import planner as _planner
+from . import protocol as _protocol
+
+log = logging.getLogger("ascend_rl_plugins")
+
+MIGRATED_PREFIX = "ascend-rl-rebalance:"
+_current = threading.local()
+_groups: dict[tuple, Any] = {}
+_explicit_group: list = []
+
+
+def set_dp_group(group) -> None:
+    """Use ``group`` (a torch.distributed group of this rank's DP peers) for rebalancing."""
+    _explicit_group[:] = [group]
+
+
+@dataclass
+class Origin:
+    """Where a migrated-in request came from and what it had generated before arriving."""
+
+    rank: int
+    request_id: str  # external id at the origin rank (what the caller sees)
+    prompt: Any
+    prompt_token_ids: list
+    prefix: list  # tokens generated before arriving here
+    prefix_text: str = ""
+    prefix_logprobs: Any = None
+    prefix_cumulative_logprob: float | None = None
+    params: Any = None  # the caller's sampling params (max_tokens etc. before any migration)
+
+
+@dataclass
+class Settings:
+    interval: int = 64
+    graph_sizes: tuple = (4, 8, 16, 32, 64)
+    kv: str = "auto"  # auto | on | off
+    log_moves: bool = False
+    link_bytes_per_s: float = 20e9
+    prefill_tokens_per_s: float = 20000.0
+
+
+_overrides: dict = {}
+
+
+def settings_from_flags() -> Settings:
+    from . import GRAPH_SIZES, INTERVAL, KV, LOG
+    base = Settings(interval=INTERVAL.value, graph_sizes=tuple(int(x) for x in GRAPH_SIZES.value),
+                    kv=KV.value, log_moves=LOG.value)
+    return replace(base, **{k: v for k, v in _overrides.items() if k != "paused"})
+
+
+@contextlib.contextmanager
+def overridden(**changes):
+    """Change settings for the ``generate`` calls inside (``paused=True``: no rebalance;
+    every DP rank must use the same settings). E.g. ``with overridden(kv="off"): ...``."""
+    unknown = set(changes) - set(Settings.__dataclass_fields__) - {"paused"}
+    if unknown:
+        raise TypeError(f"overridden(): unknown setting(s) {sorted(unknown)}; accepted: "
+                        f"paused, {', '.join(Settings.__dataclass_fields__)}")
+    saved = dict(_overrides)
+    _overrides.update(changes)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+# -- reading and changing one engine ---------------------------------------------------------
+
+class VllmAdapter:
+    """The protocol's :class:`~.protocol.Adapter` over a real in-process vLLM V1 engine."""
+
+    _ids = itertools.count()
+
+    def __init__(self, llm_engine, rank: int):
+        self.engine = llm_engine
+        client = llm_engine.engine_core
+        core = getattr(client, "engine_core", None)
+        if core is None or not hasattr(core, "scheduler"):
+            raise RuntimeError("rollout rebalance needs the in-process engine core "
+                               "(VLLM_ENABLE_V1_MULTIPROCESSING=0, as verl's spmd rollout sets)")
+        self.rank = rank
+        self.core = core
+        self.scheduler = core.scheduler
+        self.kv_manager = self.scheduler.kv_cache_manager
+        self.block_pool = self.kv_manager.block_pool
+        self.block_size = self.scheduler.cache_config.block_size
+        self.origins: dict[str, Origin] = {}  # internal id -> origin (migrated-in requests)
+        self.stash: list[tuple[int, Any]] = []  # (origin rank, merged final output)
+        self.admitted: dict[str, str] = {}  # protocol id -> our new external id
+        self.by_external: dict[str, str] = {}  # our new external id -> internal id
+        self.kv_caches, _ = self._find_kv_caches()
+        groups = self.scheduler.kv_cache_config.kv_cache_groups
+        self.kv_capable = bool(self.kv_manager.enable_caching and len(groups) == 1
+                               and self.kv_caches is not None)
+        self.kv_bytes_per_token = self._kv_bytes_per_token()
+
+    # -- state reads -----------------------------------------------------------------
+    def _find_kv_caches(self):
+        """[(tensor, block dim)] of every KV tensor of the model runner, or (None, None).
+
+        vLLM keeps one tensor per layer; vLLM-Ascend a (K, V) tuple per layer; the block
+        dimension differs between backends (0.13 CPU: dim 1 of (2, blocks, ...), 0.23 CPU:
+        dim 0), so it is found as the one dimension of size ``num_blocks``."""
+        try:
+            runner = self.core.model_executor.driver_worker.worker.model_runner
+            layers = list(runner.kv_caches)
+        except AttributeError:
+            return None, None
+        tensors = []
+        for layer in layers:
+            tensors.extend(layer if isinstance(layer, (tuple, list)) else [layer])
+        num_blocks = self.scheduler.kv_cache_config.num_blocks
+        found = []
+        for t in tensors:
+            dims = [d for d, n in enumerate(getattr(t, "shape", ())) if n == num_blocks]
+            if len(dims) != 1 or t.dtype != tensors[0].dtype:
+                return None, None
+            found.append((t, dims[0]))
+        return (found, True) if found else (None, None)
+
+    def _kv_bytes_per_token(self) -> float:
+        if self.kv_caches is None:
+            return 1.0
+        per_block = sum(t.numel() // t.shape[d] * t.element_size() for t, d in self.kv_caches)
+        return per_block / self.block_size
+
+    def _states(self):
+        return self.engine.output_processor.request_states
+
+    def _external(self, internal_id: str) -> str:
+        state = self._states()[internal_id]
+        return getattr(state, "external_req_id", None) or internal_id
+
+    def snapshot(self) -> _planner.RankLoad:
+        from vllm.v1.request import RequestStatus
+        requests = {}
+        for iid, sreq in self.scheduler.requests.items():
+            if sreq.is_finished():
+                continue
+            waiting = sreq.status != RequestStatus.RUNNING
+            requests[iid] = (sreq.num_tokens, waiting)
+        total = self.block_pool.num_gpu_blocks
+        used = total - self.block_pool.get_num_free_blocks()
+        return _planner.RankLoad.from_requests(
+            self.rank, requests, kv_blocks_used=used, kv_blocks_total=total,
+            block_size=self.block_size, max_num_seqs=self.scheduler.max_num_running_reqs)
+
+    # -- source side -----------------------------------------------------------------------
+    def extract(self, m: _planner.Migration) -> tuple[dict, Any]:
+        from vllm.v1.request import RequestStatus
+        iid = m.request_id
+        state = self._states()[iid]
+        sreq = self.scheduler.requests[iid]
+        if state.parent_req is not None:
+            raise ValueError("n > 1 requests (parallel sampling) stay where they are")
+        origin = self.origins.get(iid)
+        params = origin.params if origin is not None else sreq.sampling_params
+        if params is None or params.prompt_logprobs is not None:
+            raise ValueError("prompt-logprob and pooling requests stay where they are")
+        running = sreq.status == RequestStatus.RUNNING
+        if running and sreq.num_computed_tokens < sreq.num_prompt_tokens:
+            raise ValueError("still in prefill")
+        local = list(sreq.output_token_ids)
+        detok = getattr(state, "detokenizer", None)
+        lp = getattr(state, "logprobs_processor", None)
+        text = getattr(detok, "output_text", "") or ""
+        logprobs = getattr(lp, "logprobs", None)
+        cumulative = getattr(lp, "cumulative_logprob", None)
+        if origin is None:
+            origin = Origin(self.rank, self._external(iid), state.prompt,
+                            list(state.prompt_token_ids or sreq.prompt_token_ids), [],
+                            params=params)
+        meta = {
+            "origin": replace(origin, prefix=origin.prefix + local,
+                              prefix_text=origin.prefix_text + text,
+                              prefix_logprobs=_concat(origin.prefix_logprobs, logprobs),
+                              prefix_cumulative_logprob=_add(origin.prefix_cumulative_logprob,
+                                                             cumulative)),
+            "generated_here": len(local),
+            "external_id": self._external(iid),
+        }
+        kv = None
+        if m.with_kv and self.kv_capable and running:
+            import torch
+            n_full = min(sreq.num_computed_tokens, sreq.num_tokens - 1) // self.block_size
+            if n_full:
+                block_ids = self.kv_manager.get_block_ids(iid)[0][:n_full]
+                index = torch.tensor(block_ids, dtype=torch.long)
+                # one flat buffer: every KV tensor's blocks of this request, in engine order
+                kv = torch.cat([t.index_select(d, index).reshape(-1) for t, d in self.kv_caches])
+                meta["kv_blocks"] = n_full
+        return meta, kv
+
+    def release(self, meta: dict) -> None:
+        """The destination holds the request now: drop it here without emitting an output."""
+        self.engine.abort_request([meta["external_id"]])
+        self.origins.pop(meta["_id"], None)
+
+    # -- destination side ------------------------------------------------------------------------
+    def admit(self, meta: dict, kv) -> bool:
+        origin: Origin = meta["origin"]
+        params = origin.params.clone()
+        done = len(origin.prefix)
+        if params.max_tokens is not None:
+            params.max_tokens = params.max_tokens - done
+            if params.max_tokens <= 0:
+                raise ValueError("nothing left to generate")
+        if getattr(params, "min_tokens", 0):
+            params.min_tokens = max(0, params.min_tokens - done)
+        new_id = f"{MIGRATED_PREFIX}{origin.rank}:{origin.request_id}:{next(self._ids)}"
+        tokens = list(origin.prompt_token_ids) + list(origin.prefix)
+        iid = self.engine.add_request(new_id, {"prompt_token_ids": tokens}, params) or new_id
+        try:
+            if kv is not None:
+                self._inject(iid, kv, meta["kv_blocks"])
+        except Exception:
+            self.engine.abort_request([new_id])
+            raise
+        self.origins[iid] = origin
+        self.admitted[meta["_id"]] = new_id
+        self.by_external[new_id] = iid
+        return True
+
+    def _inject(self, iid: str, kv, n_full: int) -> None:
+        """Place transferred full blocks in the prefix cache under this request's hashes."""
+        import torch
+        if not self.kv_capable:
+            raise RuntimeError("this engine has no prefix cache: cannot take KV")
+        sreq = self.scheduler.requests[iid]
+        if len(sreq.block_hashes) < n_full:
+            raise RuntimeError(f"request has {len(sreq.block_hashes)} block hashes, KV has {n_full}")
+        sizes = [t.numel() // t.shape[d] * n_full for t, d in self.kv_caches]
+        if kv.numel() != sum(sizes):
+            raise RuntimeError(f"KV of {kv.numel()} elements, this engine's layout needs {sum(sizes)}")
+        blocks = self.block_pool.get_new_blocks(n_full)
+        try:
+            index = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
+            for (cache, d), part in zip(self.kv_caches, torch.split(kv, sizes)):
+                shape = list(cache.shape)
+                shape[d] = n_full
+                cache.index_copy_(d, index, part.reshape(shape).to(cache.device, cache.dtype))
+            self.block_pool.cache_full_blocks(sreq, blocks, 0, n_full, self.block_size, 0)
+        finally:
+            # evictable but cached: the scheduler's prefix lookup hands them to the request
+            self.block_pool.free_blocks(list(reversed(blocks)))
+
+    def discard(self, meta: dict) -> None:
+        new_id = self.admitted.pop(meta["_id"], None)
+        if new_id is not None:
+            self.engine.abort_request([new_id])
+
+    # -- outputs ----------------------------------------------------------------------------------
+    def take_migrated_outputs(self, outputs: list) -> list:
+        """Remove migrated-in requests' outputs from a step's outputs; stash finished ones."""
+        keep = []
+        for out in outputs:
+            rid = getattr(out, "request_id", "")
+            if not (isinstance(rid, str) and rid.startswith(MIGRATED_PREFIX)):
+                keep.append(out)
+                continue
+            if not out.finished:
+                continue
+            iid = self.by_external.pop(rid, None)
+            origin = self.origins.pop(iid, None) or _parse_origin(rid)
+            self.stash.append((origin.rank, merge_output(out, origin)))
+        return keep
+
+
+def _parse_origin(rid: str) -> Origin:
+    rank, request_id, _ = rid[len(MIGRATED_PREFIX):].rsplit(":", 2)
+    return Origin(int(rank), request_id, None, [], [])
+
+
+def _concat(a, b):
+    if a is None:
+        return None if b is None else list(b)
+    if b is None:
+        return list(a)
+    return list(a) + list(b)
+
+
+def _add(a, b):
+    if a is None and b is None:
+        return None
+    return (a or 0.0) + (b or 0.0)
+
+
+def merge_output(out, origin: Origin):
+    """The caller's view of a migrated request: original id, prompt and all its tokens."""
+    merged = copy.copy(out)
+    merged.request_id = origin.request_id
+    if origin.prompt_token_ids:
+        merged.prompt = origin.prompt
+        merged.prompt_token_ids = list(origin.prompt_token_ids)
+    completions = []
+    for c in out.outputs:
+        c = copy.copy(c)
+        c.token_ids = list(origin.prefix) + list(c.token_ids)
+        c.text = origin.prefix_text + (c.text or "")
+        if origin.prefix_logprobs is not None and c.logprobs is not None:
+            c.logprobs = _concat(origin.prefix_logprobs, c.logprobs)
+        if origin.prefix_cumulative_logprob is not None and c.cumulative_logprob is not None:
+            c.cumulative_logprob = origin.prefix_cumulative_logprob + c.cumulative_logprob
+        completions.append(c)
+    merged.outputs = completions
+    return merged
+
+
+# -- one generate() call across the DP group ---------------------------------------------------------
+
+def _dp_group(llm_engine):
+    """This rank's DP peers: an explicit group, else the ranks sharing this TP/PP position."""
+    if _explicit_group:
+        return _explicit_group[0]
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if getattr(llm_engine, "dp_group", None) is not None:
+        log.warning("ascend-rl rollout_rebalance: vLLM's own data parallelism is active; "
+                    "rebalance is off (it rebalances external DP ranks, verl's spmd layout)")
+        return None
+    world = dist.get_world_size()
+    pc = llm_engine.vllm_config.parallel_config
+    model_parallel = pc.tensor_parallel_size * pc.pipeline_parallel_size
+    if world % model_parallel or world // model_parallel < 2:
+        return None
+    key = (world, model_parallel)
+    if key not in _groups:
+        mine = None
+        for position in range(model_parallel):  # collective: every rank builds every group
+            ranks = list(range(position, world, model_parallel))
+            g = dist.new_group(ranks, backend="gloo")
+            if dist.get_rank() in ranks:
+                mine = g
+        _groups[key] = mine
+    return _groups[key]
+
+
+class Rollout:
+    """State of one ``LLM._run_engine`` call on one DP rank."""
+
+    def __init__(self, llm, group, settings: Settings):
+        import torch.distributed as dist
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.group = group
+        self.settings = settings
+        self.rank = dist.get_rank(group)
+        self.adapter = VllmAdapter(self.engine, self.rank)
+        self.config = _planner.PlannerConfig(
+            graph_sizes=settings.graph_sizes, kv_migration=settings.kv != "off",
+            kv_always=settings.kv == "on", kv_bytes_per_token=self.adapter.kv_bytes_per_token,
+            link_bytes_per_s=settings.link_bytes_per_s,
+            prefill_tokens_per_s=settings.prefill_tokens_per_s)
+        self.steps = 0
+        self.rounds = 0
+        self.moved_out = 0
+        self.moved_in = 0
+        self.kv_bytes_in = 0
+        states = self.adapter._states()
+        self.caller_order = {self.adapter._external(i): n for n, i in enumerate(states)}
+
+    def round(self, working: bool) -> _protocol.RoundResult:
+        self.rounds += 1
+        result = _protocol.rebalance_round(self.adapter, self.group, self.config,
+                                           working=working, log_moves=self.settings.log_moves,
+                                           kv_capable=self.adapter.kv_capable)
+        self.moved_out += result.sent
+        self.moved_in += result.received
+        self.kv_bytes_in += result.bytes_received
+        return result
+
+    def after_step(self, outputs):
+        outputs = self.adapter.take_migrated_outputs(list(outputs))
+        self.steps += 1
+        if self.steps % self.settings.interval == 0:
+            self.round(working=True)
+        return outputs
+
+    def run(self, wrapped, args, kwargs):
+        outputs = list(wrapped(*args, **kwargs))
+        while True:  # our work is done: keep joining rounds, run what we receive
+            if self.round(working=False).all_idle:
+                break
+            if self.engine.has_unfinished_requests():
+                outputs.extend(wrapped(*args, **kwargs))
+        world = len(self.group_ranks())
+        back: list[list] = [[] for _ in range(world)]
+        for origin_rank, out in self.adapter.stash:
+            back[origin_rank].append(out)
+        self.adapter.stash.clear()
+        returned = [o for per in _protocol.all_to_all_objects(back, self.group) for o in per]
+        seen = set()
+        result = []
+        for out in outputs + returned:
+            if out.request_id in seen:  # a request that ran twice after a failed round
+                continue
+            seen.add(out.request_id)
+            result.append(out)
+        last = len(self.caller_order)
+        result.sort(key=lambda o: self.caller_order.get(o.request_id, last))
+        if self.settings.log_moves:
+            log.warning("ascend-rl rollout_rebalance: rank %d: %d rounds, %d requests out, %d in",
+                        self.rank, self.rounds, self.moved_out, self.moved_in)
+        _current.last_stats = {"rounds": self.rounds, "moved_out": self.moved_out,
+                               "moved_in": self.moved_in, "kv_bytes_in": self.kv_bytes_in,
+                               "steps": self.steps}
+        return result
+
+    def group_ranks(self):
+        import torch.distributed as dist
+        return range(dist.get_world_size(self.group))
+
+
+def current() -> Rollout | None:
+    return getattr(_current, "rollout", None)
+
+
+def last_stats() -> dict | None:
+    """Counters of this thread's last rebalanced ``generate`` (for tests and logs)."""
+    return getattr(_current, "last_stats", None)
+
+
+def run_engine(wrapped, llm, args, kwargs):
+    """``LLM._run_engine`` wrapper body."""
+    if current() is not None or _overrides.get("paused"):
+        return wrapped(*args, **kwargs)  # nested (the drain loop calls the original), or paused
+    group = _dp_group(llm.llm_engine)
+    if group is None:
+        return wrapped(*args, **kwargs)
+    rollout = Rollout(llm, group, settings_from_flags())
+    _current.rollout = rollout
+    try:
+        return rollout.run(wrapped, args, kwargs)
+    finally:
+        _current.rollout = None
+
+
+def after_step(outputs, engine):
+    """``LLMEngine.step`` after-hook body."""
+    rollout = current()
+    if rollout is None or rollout.engine is not engine:
+        return outputs
+    return rollout.after_step(outputs)

@@ -1,0 +1,222 @@
+"""Migration protocol over ``torch.distributed`` on the DP group (gloo, HCCL or NCCL).
+
+One *round* is a fixed sequence of collectives that every DP rank runs at the same point:
+
+1. all-gather of each rank's load (:class:`~.planner.RankLoad`) and a "still working" flag;
+2. every rank computes the same plan locally (:func:`~.planner.plan`);
+3. all-to-all-v of request metadata (pickled, sizes first, then one byte buffer);
+4. all-to-all-v of KV blocks in bulk: per destination, the blocks of all its requests
+   concatenated into one byte buffer (one collective, no per-request messages);
+5. destinations re-admit what they received and answer with an all-to-all of acks;
+6. sources release (abort) only the acknowledged requests.
+
+Nothing is lost: a request leaves its source only after its destination said it holds it.
+A request whose extraction or admission fails stays where it is and keeps decoding there. If
+a collective itself raises, the round is abandoned before any release, so every request is
+still at its source (a destination drops what it half-admitted).
+
+The engine side is an :class:`Adapter` (the vLLM one lives in ``engine.py``); tests drive
+the protocol with a synthetic adapter over the same interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Sequence
+
+from .planner import Migration, PlannerConfig, RankLoad, plan
+
+log = logging.getLogger("ascend_rl_plugins")
+
+
+class Adapter(Protocol):
+    """What the protocol needs from one DP rank's engine."""
+
+    def snapshot(self) -> RankLoad:
+        """This rank's load, requests in canonical move order."""
+
+    def extract(self, migration: Migration) -> tuple[dict, Any | None]:
+        """Metadata (picklable) and the KV tensor (or None) to send; raises to keep it here."""
+
+    def admit(self, meta: dict, kv: Any | None) -> bool:
+        """Take a request in (KV placed or recompute queued); False or raise to refuse."""
+
+    def release(self, meta: dict) -> None:
+        """Drop a request that its destination acknowledged (no output is emitted here)."""
+
+    def discard(self, meta: dict) -> None:
+        """Undo an :meth:`admit` whose round failed later."""
+
+
+@dataclass
+class RoundResult:
+    plan_size: int = 0
+    sent: int = 0
+    received: int = 0
+    kept: int = 0  # planned but still at the source (extraction, transfer or admission failed)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    all_idle: bool = False  # no rank has any request left and no rank is still working
+    loads: list = field(default_factory=list)
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist
+
+
+def all_gather_objects(obj: Any, group) -> list:
+    dist = _dist()
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def all_to_all_bytes(chunks: Sequence[bytes | memoryview | Any], group) -> list:
+    """All-to-all-v of byte buffers: ``chunks[d]`` goes to group rank ``d``; returns what each
+    rank sent here as uint8 tensors. ``chunks`` items may be bytes or uint8 tensors."""
+    import torch
+    dist = _dist()
+    world = dist.get_world_size(group)
+    parts = []
+    for c in chunks:
+        if isinstance(c, torch.Tensor):
+            parts.append(c.reshape(-1).view(torch.uint8) if c.numel() else
+                         torch.empty(0, dtype=torch.uint8))
+        else:
+            parts.append(torch.frombuffer(bytearray(c), dtype=torch.uint8) if len(c) else
+                         torch.empty(0, dtype=torch.uint8))
+    assert len(parts) == world, f"need one chunk per rank ({world}), got {len(parts)}"
+    send_sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    sends = torch.cat(parts) if send_sizes.sum() else torch.empty(0, dtype=torch.uint8)
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(recv, sends, output_split_sizes=recv_sizes.tolist(),
+                           input_split_sizes=send_sizes.tolist(), group=group)
+    return list(torch.split(recv, recv_sizes.tolist()))
+
+
+def all_to_all_objects(per_rank: Sequence[Any], group) -> list:
+    """All-to-all-v of picklable objects (metadata, acks)."""
+    received = all_to_all_bytes([pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+                                 for o in per_rank], group)
+    return [pickle.loads(t.numpy().tobytes()) for t in received]
+
+
+def _as_bytes(kv) -> Any:
+    import torch
+    return kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(buf, dtype_name: str, shape):
+    import torch
+    dtype = getattr(torch, dtype_name)
+    return buf.view(dtype).reshape(shape) if buf.numel() else torch.empty(shape, dtype=dtype)
+
+
+def rebalance_round(adapter: Adapter, group, config: PlannerConfig, *, working: bool,
+                    log_moves: bool = False, kv_capable: bool = True) -> RoundResult:
+    """Run one round on this rank (every rank of ``group`` must call it).
+
+    ``working``: this rank is still inside its own generation loop. ``kv_capable``: this rank
+    can take KV; KV moves are planned only when every rank can (the plan must be the same on
+    every rank, so everything it depends on is gathered)."""
+    dist = _dist()
+    t0 = time.perf_counter()
+    me = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    load = adapter.snapshot()
+    gathered = all_gather_objects((load.to_dict(), bool(working), bool(kv_capable)), group)
+    loads = [g[0] for g in gathered]
+    if config.kv_migration and not all(g[2] for g in gathered):
+        config = replace(config, kv_migration=False)
+    result = RoundResult(loads=loads)
+    # group ranks are the identities the plan talks about
+    for i, d in enumerate(loads):
+        d["rank"] = i
+    if not any(g[1] for g in gathered) and not any(d["request_ids"] for d in loads):
+        result.all_idle = True
+        return result
+    planned = plan(loads, config, for_rank=me)
+    migrations = planned.migrations
+    result.plan_size = planned.total
+    if not planned.total:  # decided from the whole plan: every rank takes the same branch
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    # -- source: extract (a failure keeps the request here) --------------------------------
+    metas: list[list[dict]] = [[] for _ in range(world)]
+    kv_parts: list[list] = [[] for _ in range(world)]
+    for m in migrations:
+        if m.src != me:
+            continue
+        try:
+            meta, kv = adapter.extract(m)
+        except Exception as exc:  # noqa: BLE001 - any failure: the request stays
+            log.warning("ascend-rl rollout_rebalance: keeping %s on rank %d: %s", m.request_id,
+                        me, exc)
+            result.kept += 1
+            continue
+        meta = dict(meta, _src=me, _dst=m.dst, _id=m.request_id)
+        if kv is not None:
+            buf = _as_bytes(kv)
+            meta["_kv"] = (str(kv.dtype).replace("torch.", ""), tuple(kv.shape), buf.numel())
+            kv_parts[m.dst].append(buf)
+            result.bytes_sent += buf.numel()
+        metas[m.dst].append(meta)
+
+    import torch
+    received_meta = all_to_all_objects(metas, group)
+    kv_chunks = [torch.cat(p) if p else torch.empty(0, dtype=torch.uint8) for p in kv_parts]
+    received_kv = all_to_all_bytes(kv_chunks, group)
+
+    # -- destination: admit, then acknowledge -------------------------------------------------
+    acks: list[list[str]] = [[] for _ in range(world)]
+    admitted = []
+    for src in range(world):
+        offset = 0
+        buf = received_kv[src]
+        for meta in received_meta[src]:
+            kv = None
+            if "_kv" in meta:
+                dtype_name, shape, nbytes = meta["_kv"]
+                kv = _from_bytes(buf[offset:offset + nbytes], dtype_name, shape)
+                offset += nbytes
+                result.bytes_received += nbytes
+            try:
+                ok = adapter.admit(meta, kv)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("ascend-rl rollout_rebalance: rank %d refused %s from rank %d: %s",
+                            me, meta["_id"], src, exc)
+                ok = False
+            if ok:
+                acks[src].append(meta["_id"])
+                admitted.append(meta)
+    try:
+        received_acks = all_to_all_objects(acks, group)
+    except Exception:
+        for meta in admitted:  # the sources still hold these: drop our copies
+            adapter.discard(meta)
+        raise
+    result.received = len(admitted)
+
+    # -- source: release what the destination holds now ---------------------------------------
+    acked = {rid for per_dst in received_acks for rid in per_dst}
+    for per_dst in metas:
+        for meta in per_dst:
+            if meta["_id"] in acked:
+                adapter.release(meta)
+                result.sent += 1
+            else:
+                result.kept += 1
+    result.seconds = time.perf_counter() - t0
+    if log_moves and (result.sent or result.received):
+        log.warning("ascend-rl rollout_rebalance: rank %d sent %d, received %d, kept %d, "
+                    "bytes out %d in %d, %.1f ms", me, result.sent, result.received, result.kept,
+                    result.bytes_sent, result.bytes_received, result.seconds * 1e3)
+    return result

@@ -1,0 +1,240 @@
+"""SAM speculative decoding: a suffix-automaton drafter for long RL rollouts (seed 003).
+
+Why these patches exist:
+* vLLM has no ``method="sam"``. ``{"method": "sam"}`` is rewritten to ``method="ngram",
+  model="sam"`` before vLLM validates it (so vLLM's own validation and every ngram code
+  path stay intact), and the ``NgramProposer`` the model runner instantiates is wrapped to
+  return the SAM proposer when ``model == "sam"``. (The seed rewrote "sam" into "ngram"
+  too, which made its vLLM-Ascend SAM branch unreachable; here SAM is selected from
+  ``model == "sam"``, which survives the rewrite.)
+* vLLM-Ascend builds its drafter in ``NPUModelRunner._get_drafter``; that is wrapped to
+  return a SAM proposer derived from the Ascend n-gram proposer of the installed version.
+* Batch-size switch: speculation only while the batch is small (long tail of a rollout).
+* CPU: vLLM 0.13's CPU runner refuses speculative decoding and its rejection sampler is
+  Triton-only; vLLM 0.23's CPU recovered-token kernel shim misses the ``USE_FP64_GUMBEL``
+  argument and crashes in random sampling. Both fixed here (flag ASCEND_RL_CPU_SPEC_DECODE).
+
+Remove when: vLLM (and vLLM-Ascend) ship a suffix-automaton proposer with group sharing
+(upstream has ``suffix`` decoding, per request, no recency drafting), and the CPU issues are
+fixed upstream (0.23 lifted the CPU refusal; the USE_FP64_GUMBEL shim bug is open).
+
+This module only declares flags and patches; numpy/numba/torch/vLLM are imported by the
+submodules, lazily, when a patched function first runs.
+"""
+
+from __future__ import annotations
+
+from ... import flags
+from ...patching import Feature
+
+ENABLE = flags.define(
+    "ASCEND_RL_SAM", "bool", True,
+    "Accept speculative_config method='sam' (suffix-automaton drafter) in vLLM and "
+    "vLLM-Ascend. Acts only when a request asks for method 'sam'.", feature="sam")
+GROUP = flags.define(
+    "ASCEND_RL_SAM_GROUP", "bool", True,
+    "Group-aware drafting: requests with identical prompt token ids (n>1 children, GRPO "
+    "rollouts) share one automaton and draft from each other's generated text.", feature="sam")
+MIN_MATCH = flags.define(
+    "ASCEND_RL_SAM_MIN_MATCH", "int", 1,
+    "Minimum length of the matched suffix before SAM proposes a draft (confidence gate).",
+    minimum=1, maximum=1024, feature="sam")
+ADAPTIVE = flags.define(
+    "ASCEND_RL_SAM_ADAPTIVE", "bool", True,
+    "Confidence-scaled drafts: a matched suffix of length L proposes at most L tokens "
+    "(fewer rejected draft tokens; 0: always propose num_speculative_tokens).", feature="sam")
+BATCH_THRESHOLD = flags.define(
+    "ASCEND_RL_SAM_BATCH_THRESHOLD", "int", 32,
+    "Speculate only while at most this many requests are scheduled (0: always). Above it "
+    "the automaton keeps ingesting tokens but no draft is proposed or scheduled.",
+    aliases=("VLLM_SPECULATIVE_BATCH_SIZE_THRE",), minimum=0, feature="sam")
+WALK_LIMIT = flags.define(
+    "ASCEND_RL_SAM_WALK_LIMIT", "int", 64,
+    "Suffix links walked per token to keep 'most recent occurrence' exact (0: unlimited). "
+    "Beyond it an older, still genuine occurrence is used; bounds the worst case of "
+    "degenerate repetitive text.", minimum=0, feature="sam")
+CPU_SPEC_DECODE = flags.define(
+    "ASCEND_RL_CPU_SPEC_DECODE", "bool", True,
+    "Make vLLM speculative decoding run on CPU: lift vLLM 0.13's CPU-runner refusal with a "
+    "vectorized PyTorch rejection sampler, and fix vLLM 0.23's CPU recovered-token kernel "
+    "call (USE_FP64_GUMBEL). Useful for CPU users and for this project's tests.",
+    feature="sam")
+FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware, + CPU spec decode",
+                  flag=ENABLE, replaces="seed 003 vllm 0002, vllm_ascend 0001/0002",
+                  verified="runtime on CPU (vLLM 0.13, 0.23); vLLM-Ascend selection against a "
+                           "runner double", stacks="recipe, current")
+
+_VLLM = ">=0.13,<0.24"
+
+
+def _sam_requested(vllm_config) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "model", None) == "sam"
+
+
+# -- config: method "sam" -> method "ngram", model "sam" ---------------------------------------
+
+@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_speculative_config", dist="vllm",
+                versions=_VLLM, params=("self",),
+                reason="vLLM's SpeculativeMethod literal has no 'sam'; map it to ngram+model "
+                       "'sam' before validation so vLLM's checks stay intact",
+                remove_when="vLLM accepts method='sam' (or a registry of proposer plugins)",
+                replaces="seed vllm 0002 (SpeculativeConfig.__post_init__ edit)")
+def _rewrite_sam_method(instance, args, kwargs):
+    from .vllm_proposer import SAM_MODEL_NAME, rewrite_speculative_dict
+    instance.speculative_config = rewrite_speculative_dict(instance.speculative_config)
+    if getattr(instance, "spec_method", None) == SAM_MODEL_NAME:  # 0.23 --spec-method sam
+        instance.spec_method = "ngram"
+        if getattr(instance, "spec_model", None) is None:
+            instance.spec_model = SAM_MODEL_NAME
+    return None
+
+
+# -- proposer selection in vLLM's GPU/CPU model runner ----------------------------------------
+
+@FEATURE.wrap("vllm.v1.spec_decode.ngram_proposer:NgramProposer", dist="vllm", versions=_VLLM,
+              order=20,
+              reason="the model runner builds NgramProposer(vllm_config) for method 'ngram'; "
+                     "return the SAM proposer (a NgramProposer subclass) when model == 'sam'",
+              remove_when="vLLM selects proposers through a plugin registry",
+              replaces="seed vllm 0002 / sam_proposer.py")
+def _ngram_or_sam(wrapped, instance, args, kwargs):
+    vllm_config = args[0] if args else kwargs.get("vllm_config")
+    if _sam_requested(vllm_config):
+        from .vllm_proposer import make_sam_proposer
+        return make_sam_proposer(wrapped, vllm_config)
+    return wrapped(*args, **kwargs)
+
+
+@FEATURE.before("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+                dist="vllm", versions=_VLLM, params=("self",),
+                reason="vLLM 0.23's ngram propose() gets no request ids; SAM keys its automata "
+                       "by request id and groups siblings by prompt, so it reads input_batch",
+                remove_when="the ngram/custom proposer call passes request ids and prompt lengths")
+def _bind_input_batch(instance, args, kwargs):
+    drafter = getattr(instance, "drafter", None)
+    bind = getattr(drafter, "bind_input_batch", None)
+    if bind is not None:
+        bind(instance.input_batch)
+    return None
+
+
+@FEATURE.replace("vllm.v1.engine.core_client:InprocClient.get_output", dist="vllm",
+                 versions=">=0.13,<0.14", params=("self",),
+                 fixed_upstream="vLLM 0.23 (InprocClient.get_output calls post_step)",
+                 reason="vLLM 0.13's in-process engine client (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                        "verl's spmd rollout) never calls EngineCore.post_step, so drafts are "
+                        "proposed but never handed to the scheduler: no speculation at all",
+                 remove_when="running vLLM >= 0.23")
+def _inproc_get_output(self):
+    outputs, model_executed = self.engine_core.step_fn()
+    self.engine_core.post_step(model_executed=model_executed)
+    if outputs and 0 in outputs:
+        return outputs[0]
+    from vllm.v1.engine import EngineCoreOutputs
+    return EngineCoreOutputs()
+
+
+# -- batch-size switch in the scheduler ----------------------------------------------------------
+
+def _threshold_active() -> bool:
+    return bool(ENABLE.value) and BATCH_THRESHOLD.value > 0
+
+
+@FEATURE.before("vllm.v1.core.sched.scheduler:Scheduler.schedule", dist="vllm", versions=_VLLM,
+                params=("self",), enabled_by=_threshold_active,
+                reason="speculate only in the long tail: when more requests than the threshold "
+                       "will run, drop pending SAM drafts so the step is a plain decode step",
+                remove_when="vLLM has a batch-size switch for speculative decoding in V1",
+                replaces="seed vllm_ascend 0001 (VLLM_SPECULATIVE_BATCH_SIZE_THRE)")
+def _sam_batch_switch(instance, args, kwargs):
+    spec = getattr(getattr(instance, "vllm_config", None), "speculative_config", None)
+    if spec is None or getattr(spec, "model", None) != "sam":
+        return None
+    from .scheduler_switch import drop_drafts_over_threshold
+    drop_drafts_over_threshold(instance, BATCH_THRESHOLD.value)
+    return None
+
+
+# -- CPU speculative decoding -----------------------------------------------------------------------
+
+@FEATURE.replace("vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__", dist="vllm",
+                 versions=">=0.13,<0.14", enabled_by=CPU_SPEC_DECODE, params=("self", "vllm_config", "device"),
+                 fixed_upstream="vLLM 0.23 (CPU runner supports speculative decoding)",
+                 reason="vLLM 0.13's CPU runner asserts speculative_config is None",
+                 remove_when="running vLLM >= the release that supports CPU spec decode (0.23 does)")
+def _cpu_runner_init(self, vllm_config, device):
+    from .cpu_runner import cpu_runner_init
+    cpu_runner_init(self, vllm_config, device)
+
+
+@FEATURE.wrap("vllm.v1.sample.rejection_sampler:rejection_sample", dist="vllm",
+              versions=">=0.13,<0.14", enabled_by=CPU_SPEC_DECODE, order=20,
+              fixed_upstream="vLLM 0.23 (CPU kernels for the rejection sampler)",
+              reason="vLLM 0.13's rejection sampler launches Triton kernels; on CPU tensors use "
+                     "the vectorized PyTorch implementation",
+              remove_when="running vLLM >= 0.23 on CPU")
+def _rejection_sample_cpu(wrapped, instance, args, kwargs):
+    target_probs = args[5] if len(args) > 5 else kwargs["target_probs"]
+    if target_probs.device.type != "cpu":
+        return wrapped(*args, **kwargs)
+    from . import rejection
+    names = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens",
+             "draft_probs", "target_probs", "bonus_token_ids", "sampling_metadata")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    from vllm.v1.sample import rejection_sampler as upstream
+    return rejection.rejection_sample(**bound, uniform_probs_fn=upstream.generate_uniform_probs)
+
+
+@FEATURE.wrap("vllm.v1.sample.rejection_sampler:expand_batch_to_tokens", dist="vllm",
+              versions=_VLLM, enabled_by=CPU_SPEC_DECODE, order=20,
+              reason="per-request top-k/top-p/temperature expansion for non-greedy spec decode: "
+                     "Triton-only in vLLM 0.13; in 0.23 the CPU shim writes into an int64 copy of "
+                     "an int32 output and drops it, so top-k gets garbage ('selected index k out "
+                     "of range')",
+              remove_when="the CPU expand kernel shim copies its result back (and vLLM >= 0.23)")
+def _expand_batch_cpu(wrapped, instance, args, kwargs):
+    x = args[0] if args else kwargs["x"]
+    if x.device.type != "cpu":
+        return wrapped(*args, **kwargs)
+    from .rejection import expand_batch_to_tokens
+    return expand_batch_to_tokens(*args, **kwargs)
+
+
+class _RecoveredTokensLauncher:
+    """Stands in for vLLM 0.23's ``cpu_triton_utils.sample_recovered_tokens_kernel``
+    (``kernel[grid](...)``), accepting the ``USE_FP64_GUMBEL`` argument the sampler passes."""
+
+    def __getitem__(self, grid):
+        return _launch_recovered_tokens
+
+
+def _launch_recovered_tokens(*args, USE_FP64_GUMBEL=False, **kwargs):
+    from .cpu_runner import sample_recovered_tokens_cpu
+    return sample_recovered_tokens_cpu(*args, **kwargs)
+
+
+FEATURE.set("vllm.utils.cpu_triton_utils:sample_recovered_tokens_kernel", _RecoveredTokensLauncher(),
+            dist="vllm", versions=">=0.23,<0.24", enabled_by=CPU_SPEC_DECODE,
+            name="sam.cpu_recovered_tokens_fp64_gumbel",
+            reason="vLLM 0.23's rejection sampler passes USE_FP64_GUMBEL to the recovered-token "
+                   "kernel; the CPU shim does not take it, so random-sampling spec decode on CPU "
+                   "raises TypeError",
+            remove_when="vllm.utils.cpu_triton_utils._sample_recovered_tokens_kernel_impl accepts "
+                        "USE_FP64_GUMBEL")
+
+
+# -- vLLM-Ascend --------------------------------------------------------------------------------------
+
+@FEATURE.wrap("vllm_ascend.worker.model_runner_v1:NPUModelRunner._get_drafter", dist="vllm-ascend",
+              versions=">=0.13,<0.24", order=20, params=("self",),
+              reason="vLLM-Ascend picks its proposer from the method ('ngram' after the rewrite); "
+                     "return the SAM proposer when speculative_config.model == 'sam'",
+              remove_when="vLLM-Ascend ships a reachable SAM proposer",
+              replaces="seed vllm_ascend 0002 (get_spec_decode_method 'sam' branch)")
+def _ascend_get_drafter(wrapped, instance, args, kwargs):
+    if _sam_requested(getattr(instance, "vllm_config", None)):
+        from .ascend import make_ascend_sam_proposer
+        return make_ascend_sam_proposer(instance)
+    return wrapped(*args, **kwargs)

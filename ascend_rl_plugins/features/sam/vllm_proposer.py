@@ -1,0 +1,137 @@
+"""SAM proposer for vLLM's GPU/CPU model runner (vLLM 0.13 and 0.23).
+
+``speculative_config={"method": "sam", ...}`` is rewritten to ``method="ngram",
+model="sam"`` before vLLM validates it, so every ngram code path, assert and scheduler
+rule of vLLM applies unchanged; the runner builds its drafter by calling ``NgramProposer``,
+which this feature wraps to return :class:`SamNgramProposer` (a subclass of the pristine
+``NgramProposer``, so the runner's ``isinstance`` asserts hold) when ``model == "sam"``.
+
+The runner hands the proposer the ids of the rows only on 0.13; on 0.23 the ngram call has
+no request ids, so a before-hook on ``GPUModelRunner.propose_draft_token_ids`` gives the
+proposer the runner's ``input_batch`` (ids, prompt lengths, unsupported requests).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .drafter import SamDrafter
+
+log = logging.getLogger("ascend_rl_plugins")
+
+SAM_MODEL_NAME = "sam"
+_SUBCLASSES: dict[type, type] = {}
+
+
+def is_sam_config(vllm_config) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "model", None) == SAM_MODEL_NAME
+
+
+def build_drafter(vllm_config) -> SamDrafter:
+    from . import ADAPTIVE, BATCH_THRESHOLD, GROUP, MIN_MATCH, WALK_LIMIT
+    spec = vllm_config.speculative_config
+    return SamDrafter(int(spec.num_speculative_tokens), min_match=MIN_MATCH.value,
+                      group=GROUP.value, batch_threshold=BATCH_THRESHOLD.value,
+                      walk_limit=WALK_LIMIT.value, adaptive=ADAPTIVE.value,
+                      max_model_len=int(vllm_config.model_config.max_model_len))
+
+
+class _SamProposerMixin:
+    """Everything but the base class: propose with either runner calling convention."""
+
+    drafter: SamDrafter
+    input_batch = None  # set by the propose_draft_token_ids hook (0.23) or from req_ids (0.13)
+
+    def _init_sam(self, vllm_config) -> None:
+        spec = vllm_config.speculative_config
+        self.vllm_config = vllm_config
+        self.k = int(spec.num_speculative_tokens)
+        self.min_n = getattr(spec, "prompt_lookup_min", None) or 1
+        self.max_n = getattr(spec, "prompt_lookup_max", None) or 1
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.sam = build_drafter(vllm_config)
+        log.info("ascend-rl: SAM drafter k=%d min_match=%d group=%s batch_threshold=%d",
+                 self.k, self.sam.pool.min_match, self.sam.group, self.sam.batch_threshold)
+
+    def bind_input_batch(self, input_batch) -> None:
+        self.input_batch = input_batch
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        """0.13: (sampled, req_ids, num_tokens_no_spec, token_ids_cpu, unsupported);
+        0.23: (sampled, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)."""
+        if args and isinstance(args[0], (list, tuple)):
+            req_ids, num_tokens, token_ids, unsupported = args[0], args[1], args[2], \
+                (args[3] if len(args) > 3 else kwargs.get("spec_decode_unsupported_reqs", ()))
+        else:
+            batch = self.input_batch
+            if batch is None:
+                raise RuntimeError("SAM proposer was called without request ids; the "
+                                   "propose_draft_token_ids hook of ascend-rl is not active")
+            num_tokens, token_ids = args[0], args[1]
+            req_ids = batch.req_ids
+            unsupported = getattr(batch, "spec_decode_unsupported_reqs", ())
+        return self.propose_for(sampled_token_ids, req_ids, num_tokens, token_ids, unsupported)
+
+    def propose_for(self, sampled_token_ids, req_ids, num_tokens, token_ids,
+                    unsupported=()) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        ids, rows, plens = [], [], []
+        prompt_lens = getattr(self.input_batch, "num_prompt_tokens", None)
+        for i in range(n):
+            r = req_ids[i] if i < len(req_ids) else None
+            if r is None or not len(sampled_token_ids[i]) or r in unsupported:
+                continue
+            if num_tokens[i] >= self.max_model_len:
+                continue
+            ids.append(r)
+            rows.append(i)
+            plens.append(prompt_lens[i] if prompt_lens is not None else 0)
+        self.sam.retain_only(req_ids)
+        if ids:
+            got = self.sam.propose_rows(ids, rows, token_ids, num_tokens,
+                                        prompt_lens=plens if prompt_lens is not None else None,
+                                        batch_size=len(ids))
+            for row, d in got.items():
+                drafts[row] = d
+        return drafts
+
+    def load_model(self, *args, **kwargs) -> None:  # nothing to load
+        pass
+
+
+def sam_proposer_class(ngram_base: type) -> type:
+    """A subclass of the given (pristine) NgramProposer class that drafts with SAM."""
+    cls = _SUBCLASSES.get(ngram_base)
+    if cls is None:
+        def __init__(self, vllm_config, *args, **kwargs):
+            # NgramProposer.__init__ is not called: it only sizes n-gram buffers and
+            # JIT-warms the n-gram kernel, neither of which SAM uses.
+            self._init_sam(vllm_config)
+
+        cls = type("SamNgramProposer", (_SamProposerMixin, ngram_base), {
+            "__init__": __init__, "__module__": __name__,
+            "__doc__": "SAM drafter presented as vLLM's NgramProposer (method='ngram', model='sam')."})
+        _SUBCLASSES[ngram_base] = cls
+    return cls
+
+
+def make_sam_proposer(ngram_base: type, vllm_config):
+    return sam_proposer_class(ngram_base)(vllm_config)
+
+
+def rewrite_speculative_dict(spec: dict | None) -> dict | None:
+    """{"method": "sam", ...} -> {"method": "ngram", "model": "sam", ...}; others unchanged."""
+    if not isinstance(spec, dict) or spec.get("method") != SAM_MODEL_NAME:
+        return spec
+    model = spec.get("model")
+    if model not in (None, SAM_MODEL_NAME):
+        raise ValueError(f"speculative_config: method='sam' takes no draft model, got "
+                         f"model={model!r} (accepted: omit it, or 'sam')")
+    out = dict(spec)
+    out["method"] = "ngram"
+    out["model"] = SAM_MODEL_NAME
+    return out

