@@ -209,7 +209,7 @@ def markdown_table(stacks: dict[str, Sequence[str]]) -> str:
     names = list(stacks)
     lines = ["| feature | patch | target | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]
-    for p in REGISTRY.patches.values():
+    for p in sorted(REGISTRY.patches.values(), key=lambda p: (p.feature.name, p.name)):
         cells = []
         for n in names:
             r = evaluate(p, stacks[n])

@@ -2,7 +2,9 @@
 
     python -m ascend_rl_plugins.devtools.demo
 
-Builds the tiny random Qwen3 (locally, no download), then runs the same greedy batch twice,
+Builds the tiny random Qwen3 (locally, no download), then runs the same greedy batch twice
+(on the current stack, vLLM 0.23: vLLM 0.13's CPU attention is not exact for the
+multi-token queries speculative decoding verifies, see the sam section of the README),
 each engine in its own process: once on stock vLLM, once with ascend-rl's gc-off decode
 and SAM speculative decoding switched on. It prints what the engine-core process reported
 about the plugin (diagnostics), the outputs' agreement, and the drafter's acceptance.
@@ -35,7 +37,7 @@ if spec:
 llm = LLM(**kwargs)
 prompts = json.loads(os.environ["DEMO_PROMPTS"])
 t = time.perf_counter()
-outs = llm.generate(prompts, SamplingParams(max_tokens=96, temperature=0, n=n))
+outs = llm.generate(prompts * n, SamplingParams(max_tokens=96, temperature=0))
 elapsed = time.perf_counter() - t
 metrics = {}
 try:
@@ -99,7 +101,8 @@ def main() -> int:
     same = base["tokens"] == ours["tokens"]
     total = sum(len(c) for o in ours["tokens"] for c in o)
     console.print(f"greedy outputs identical with and without ascend-rl: [bold]{same}[/bold] "
-                  f"({len(PROMPTS)} prompts x n=2, {total} generated tokens)")
+                  f"({len(PROMPTS)} prompts, each sent twice (siblings share a SAM group), "
+                  f"{total} generated tokens)")
     console.print(f"wall time of generate(): stock {base['seconds']:.2f} s, ascend-rl {ours['seconds']:.2f} s "
                   f"(tiny random model on CPU: not a speed benchmark)")
     if ours["metrics"]:
