@@ -252,3 +252,7 @@ DISABLE = define("ASCEND_RL_DISABLE", "list", (),
 LOG_LEVEL = define("ASCEND_RL_LOG_LEVEL", "enum", "warning",
                    "Log level of the ascend_rl_plugins logger.",
                    choices=("debug", "info", "warning", "error"), feature="framework")
+CACHE = define("ASCEND_RL_CACHE", "path", "",
+               "Directory for the reference stacks, pip downloads and generated test models "
+               "(default ~/.cache/ascend-rl); used by .ci/ scripts, doctor --stack NAME and the "
+               "devtools.", feature="framework")

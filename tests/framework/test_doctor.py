@@ -83,7 +83,7 @@ def test_env_lists_every_flag_with_value_and_source():
     data = json.loads(proc.stdout)
     strict = next(f for f in data["flags"] if f["flag"] == "ASCEND_RL_STRICT")
     assert strict["value"] == "True" and strict["source"] == "ASCEND_RL_STRICT" and strict["meaning"]
-    assert data["unknown"] == ["ASCEND_RL_TYPO"]
+    assert "ASCEND_RL_TYPO" in data["unknown"] and "ASCEND_RL_STRICT" not in data["unknown"]
     human = _cli("env")
     assert "ASCEND_RL_STRICT" in human.stdout
 
