@@ -12,6 +12,8 @@ the same streams:
                  occurrence, min match 1, a match of length L drafts at most L tokens);
 * ``sam-max``    the same without the length cap (most accepted tokens, lower share);
 * ``sam-first``  sam-max drafting from the first occurrence (same semantics as the seed);
+* ``sam-r4``     sam-max drafting from the most recent occurrence of the last 4 tokens only
+                 (ASCEND_RL_SAM_RECENT_LEN=4: better token by token, worse per step);
 * ``seed-py``    a re-implementation of the seed's design: pure-Python automaton with one
                  dict per state, first-occurrence drafting, no gate (the baseline);
 * ``ngram5``     vLLM's n-gram proposer kernel (numba), prompt_lookup_min = max = 5;
@@ -138,11 +140,12 @@ class Result:
                 self.lat[m].append(us)
 
 
-def replay_sam(streams, k, name, *, min_match=2, from_first=False, group_of=None,
-               adaptive=False) -> tuple[Result, AutomatonPool, list[int]]:
+def replay_sam(streams, k, name, *, min_match=1, from_first=False, group_of=None,
+               adaptive=False, recent_len=32) -> tuple[Result, AutomatonPool, list[int]]:
     """Replay all streams in lockstep, one batched ingest+draft call per step."""
     res = Result(name)
-    pool = AutomatonPool(min_match=min_match, from_first=from_first, adaptive=adaptive)
+    pool = AutomatonPool(min_match=min_match, from_first=from_first, adaptive=adaptive,
+                         recent_len=recent_len)
     autos = {}
     members = []
     for i in range(len(streams)):
@@ -153,7 +156,6 @@ def replay_sam(streams, k, name, *, min_match=2, from_first=False, group_of=None
     members = np.array(members, np.int64)
     pos = np.ones(len(streams), np.int64)  # tokens seen; start from the first token
     fresh = [s[:1] for s in streams]
-    draft_buf = np.zeros((len(streams), k), np.int32)
     while True:
         live = [i for i in range(len(streams)) if pos[i] < len(streams[i])]
         if not live:
@@ -162,7 +164,7 @@ def replay_sam(streams, k, name, *, min_match=2, from_first=False, group_of=None
         off = np.zeros(len(live) + 1, np.int64)
         off[1:] = np.cumsum([len(fresh[i]) for i in live])
         t0 = time.perf_counter_ns()
-        drafts, counts, _ = pool.ingest(members[live], flat, off, k, draft_buf)
+        drafts, counts, _ = pool.ingest(members[live], flat, off, k)
         dt = (time.perf_counter_ns() - t0) / 1e3 / len(live)
         for j, i in enumerate(live):
             s = streams[i]
@@ -277,6 +279,17 @@ def sam_memory(stream) -> tuple[float, float, float]:
 
 # -- report -----------------------------------------------------------------------------------------
 
+def python_call_ns(n: int = 200_000) -> float:
+    """Cost of an empty Python function call right now: ~40-80 ns on an idle modern core;
+    several times that means the machine is contended and every latency below is inflated."""
+    def f():
+        return None
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        f()
+    return (time.perf_counter_ns() - t0) / n
+
+
 def pct(v, q):
     return float(np.percentile(v, q)) if v else float("nan")
 
@@ -327,6 +340,8 @@ def main() -> None:
         streams.append(np.concatenate(parts)[: args.context])
     total = sum(len(s) for s in streams)
     print(f"{len(streams)} streams x {args.context} tokens = {total} tokens (BPE vocab 4096)")
+    print(f"machine check: empty Python call {python_call_ns():.0f} ns, load average "
+          f"{os.getloadavg()[0]:.2f}")
 
     # warm the jit
     replay_sam([streams[0][:300]], 3, "warm")
@@ -334,6 +349,7 @@ def main() -> None:
         results = [replay_sam(streams, k, "sam", min_match=1, adaptive=True)[0],
                    replay_sam(streams, k, "sam-max", min_match=1)[0],
                    replay_sam(streams, k, "sam-first", min_match=1, from_first=True)[0],
+                   replay_sam(streams, k, "sam-r4", min_match=1, recent_len=4)[0],
                    replay_seed(streams, k)]
         for lo, hi in ((5, 5), (2, 5)):
             r = replay_ngram(streams, k, lo, hi)
@@ -381,7 +397,9 @@ def main() -> None:
         print(f"last sibling after the others finished: solo {tail_solo.accepted / tail_solo.steps:.3f}"
               f" vs group {tail.accepted / tail.steps:.3f} accepted/step "
               f"({(tail.accepted / tail.steps) / max(tail_solo.accepted / tail_solo.steps, 1e-9):.2f}x)")
-    print(f"\ntotal {time.time() - t_start:.0f} s")
+    print(f"\nmachine check at the end: empty Python call {python_call_ns():.0f} ns, load "
+          f"average {os.getloadavg()[0]:.2f}")
+    print(f"total {time.time() - t_start:.0f} s")
 
 
 def _replay_one(pool, m, s, k):

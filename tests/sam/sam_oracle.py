@@ -24,8 +24,12 @@ class BruteForceGroup:
                 found.append(g)
         return found
 
-    def append(self, m: int, token: int, k: int, min_match: int, recent: bool = True):
-        """Append and return (match_len, sources, draft) for the longest earlier suffix."""
+    def append(self, m: int, token: int, k: int, min_match: int, recent: bool = True,
+               recent_len: int = 5):
+        """Append and return (match_len, sources, draft) for the longest earlier suffix.
+
+        The draft source: the first occurrence of the longest match (``recent=False``), or
+        the most recent earlier occurrence of the last min(L, recent_len) tokens."""
         text = self.texts[m]
         text.append(token)
         g = len(self.pos_member)
@@ -39,7 +43,11 @@ class BruteForceGroup:
                 break
         if best_len == 0:
             return 0, [], []
-        src = max(best) if recent else min(best)
+        if recent:
+            short = min(best_len, recent_len)
+            src = max(self.occurrences(text[len(text) - short:], exclude=g))
+        else:
+            src = min(best)
         if best_len < min_match:
             return best_len, best, []
         draft = self.continuation(src, k, m)

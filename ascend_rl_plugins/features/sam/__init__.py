@@ -48,11 +48,12 @@ BATCH_THRESHOLD = flags.define(
     "Speculate only while at most this many requests are scheduled (0: always). Above it "
     "the automaton keeps ingesting tokens but no draft is proposed or scheduled.",
     aliases=("VLLM_SPECULATIVE_BATCH_SIZE_THRE",), minimum=0, feature="sam")
-WALK_LIMIT = flags.define(
-    "ASCEND_RL_SAM_WALK_LIMIT", "int", 64,
-    "Suffix links walked per token to keep 'most recent occurrence' exact (0: unlimited). "
-    "Beyond it an older, still genuine occurrence is used; bounds the worst case of "
-    "degenerate repetitive text.", minimum=0, feature="sam")
+RECENT_LEN = flags.define(
+    "ASCEND_RL_SAM_RECENT_LEN", "int", 32,
+    "Drafts continue the most recent earlier occurrence of the last min(L, N) tokens, L being "
+    "the longest earlier-occurring suffix; also bounds the per-token bookkeeping to N + 1 "
+    "states (the seed walked every suffix link).",
+    minimum=1, maximum=4096, feature="sam")
 CPU_SPEC_DECODE = flags.define(
     "ASCEND_RL_CPU_SPEC_DECODE", "bool", True,
     "Make vLLM speculative decoding run on CPU: lift vLLM 0.13's CPU-runner refusal with a "
@@ -238,3 +239,45 @@ def _ascend_get_drafter(wrapped, instance, args, kwargs):
         from .ascend import make_ascend_sam_proposer
         return make_ascend_sam_proposer(instance)
     return wrapped(*args, **kwargs)
+
+
+# -- vLLM-Ascend 0.23: recovered tokens of model-free drafts under reduce sampling ------------------
+
+_RECOVERED_PARAMS = ("output_token_ids", "cu_num_draft_tokens", "draft_token_ids", "draft_probs",
+                     "target_probs", "q", "vocab_size", "IS_NGRAM", "target_indices",
+                     "enable_reduce_sampling")
+
+
+def _ngram_reduced_or_upstream(implementation: str, wrapped, args, kwargs):
+    """Run ``ascend_sampler.<implementation>`` for model-free drafts under reduce sampling,
+    vLLM-Ascend's own function for everything else."""
+    bound = dict(zip(_RECOVERED_PARAMS, args))
+    bound.update(kwargs)
+    if not (bound.get("IS_NGRAM") and bound.get("enable_reduce_sampling")):
+        return wrapped(*args, **kwargs)
+    from . import ascend_sampler
+    return getattr(ascend_sampler, implementation)(
+        bound["output_token_ids"], bound["cu_num_draft_tokens"], bound["draft_token_ids"],
+        bound["target_probs"], bound["q"], bound["target_indices"])
+
+
+@FEATURE.wrap("vllm_ascend.sample.rejection_sampler:sample_recovered_tokens_pytorch",
+              dist="vllm-ascend", versions=">=0.23,<0.24", order=20, params=_RECOVERED_PARAMS,
+              reason="with reduce sampling, model-free drafts (SAM, n-gram) zero each draft "
+                     "token among its candidates in a Python loop with one host sync per draft "
+                     "token; do it in one masked tensor op",
+              remove_when="vLLM-Ascend vectorizes the IS_NGRAM reduce-sampling branch",
+              replaces="seed 003 (vectorized rejection sampler in vLLM-Ascend)")
+def _ascend_recovered_tokens(wrapped, instance, args, kwargs):
+    return _ngram_reduced_or_upstream("recovered_tokens_ngram_reduced", wrapped, args, kwargs)
+
+
+@FEATURE.wrap("vllm_ascend.sample.rejection_sampler:sample_recovered_tokens_blockwise_pytorch",
+              dist="vllm-ascend", versions=">=0.23,<0.24", order=20, params=_RECOVERED_PARAMS,
+              reason="block verification (num_speculative_tokens >= 3) has the same per-draft-"
+                     "token loop for model-free drafts under reduce sampling",
+              remove_when="vLLM-Ascend vectorizes the IS_NGRAM reduce-sampling branch",
+              replaces="seed 003 (vectorized rejection sampler in vLLM-Ascend)")
+def _ascend_recovered_tokens_blockwise(wrapped, instance, args, kwargs):
+    return _ngram_reduced_or_upstream("recovered_tokens_ngram_reduced_blockwise", wrapped, args,
+                                      kwargs)

@@ -56,7 +56,7 @@ class SamDrafter:
     """Drafts for a batch of requests identified by id, given their token rows."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
-                 batch_threshold: int = 0, walk_limit: int = 64, adaptive: bool = True,
+                 batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = True,
                  max_model_len: int | None = None):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
@@ -64,14 +64,13 @@ class SamDrafter:
         self.group = bool(group)
         self.batch_threshold = int(batch_threshold)
         self.max_model_len = max_model_len
-        self.pool = AutomatonPool(min_match=min_match, walk_limit=walk_limit, adaptive=adaptive)
+        self.pool = AutomatonPool(min_match=min_match, recent_len=recent_len, adaptive=adaptive)
         self.member_of: dict[str, int] = {}
         self.group_of: dict[str, bytes | str] = {}
         self.groups: dict[bytes | str, int] = {}  # group key -> automaton id
         self.last_draft: dict[str, tuple[int, int]] = {}  # req -> (tokens seen, draft len)
         self.stats = DrafterStats()
         self._flat = np.zeros(4096, np.int32)
-        self._draft_buf = np.zeros((256, self.k), np.int32)
 
     # -- membership -----------------------------------------------------------------------------
     def _member_for(self, req_id: str, prompt: np.ndarray | None) -> int:
@@ -155,9 +154,7 @@ class SamDrafter:
         if not active:
             st.inactive_steps += 1
         k = self.k if active else 0
-        if self._draft_buf.shape[0] < n:
-            self._draft_buf = np.zeros((max(n, 2 * self._draft_buf.shape[0]), self.k), np.int32)
-        drafts, counts, _ = self.pool.ingest(members, self._flat[:total], off, k, self._draft_buf)
+        drafts, counts, _ = self.pool.ingest(members, self._flat[:total], off, k)
         out: dict[int, list[int]] = {}
         if not k:
             return out

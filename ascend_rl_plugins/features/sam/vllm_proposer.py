@@ -31,11 +31,11 @@ def is_sam_config(vllm_config) -> bool:
 
 
 def build_drafter(vllm_config) -> SamDrafter:
-    from . import ADAPTIVE, BATCH_THRESHOLD, GROUP, MIN_MATCH, WALK_LIMIT
+    from . import ADAPTIVE, BATCH_THRESHOLD, GROUP, MIN_MATCH, RECENT_LEN
     spec = vllm_config.speculative_config
     return SamDrafter(int(spec.num_speculative_tokens), min_match=MIN_MATCH.value,
                       group=GROUP.value, batch_threshold=BATCH_THRESHOLD.value,
-                      walk_limit=WALK_LIMIT.value, adaptive=ADAPTIVE.value,
+                      recent_len=RECENT_LEN.value, adaptive=ADAPTIVE.value,
                       max_model_len=int(vllm_config.model_config.max_model_len))
 
 
