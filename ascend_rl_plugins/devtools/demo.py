@@ -3,9 +3,8 @@
     python -m ascend_rl_plugins.devtools.demo
 
 Builds the tiny random Qwen3 (locally, no download), then runs the same greedy batch twice
-(on the current stack, vLLM 0.23: vLLM 0.13's CPU attention is not exact for the
-multi-token queries speculative decoding verifies, see the sam section of the README),
-each engine in its own process: once on stock vLLM, once with ascend-rl's gc-off decode
+(run by ``.ci/main`` on the current stack, vLLM 0.23; on vLLM 0.13 it needs the
+``cpu_rms_norm`` patch, on by default), each engine in its own process: once on stock vLLM, once with ascend-rl's gc-off decode
 and SAM speculative decoding switched on. It prints what the engine-core process reported
 about the plugin (diagnostics), the outputs' agreement, and the drafter's acceptance.
 """
