@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ascend_rl_plugins.features.rollout_rebalance import planner as P
 from ascend_rl_plugins.features.rollout_rebalance.planner import (
     PlannerConfig, RankLoad, bucket, plan)
 
@@ -104,11 +106,47 @@ def test_identical_plan_from_permuted_input(case, seed):
     a = plan(build(raw), config(kv))
     b = plan(build(raw, shuffle_seed=seed), config(kv))
     c = plan([load.to_dict() for load in build(raw, shuffle_seed=seed + 1)], config(kv))
+    # the packed form ranks gather, after a pickle round trip, in any order
+    packed = pickle.loads(pickle.dumps([load.pack() for load in build(raw, shuffle_seed=seed)]))
+    d = plan(packed, config(kv))
     for rank in range(len(raw)):  # a rank's share is exactly its rows of the whole plan
         mine = [m for m in a.migrations if rank in (m.src, m.dst)]
-        share = plan(build(raw), config(kv), for_rank=rank)
+        share = plan(packed, config(kv), for_rank=rank)
         assert share.migrations == mine and share.total == len(a.migrations)
-    assert a.migrations == b.migrations == c.migrations
+    assert a.migrations == b.migrations == c.migrations == d.migrations
+    assert (a.bucket_after, a.waiting_after, a.target) == (d.bucket_after, d.waiting_after, d.target)
+
+
+@settings(max_examples=60, deadline=None)
+@given(clusters(), st.booleans())
+def test_compiled_kernel_equals_its_python_source(case, always):
+    """Ranks with and without numba (or a stale cache) must agree: the same source runs."""
+    raw, kv = case
+    cfg = PlannerConfig(graph_sizes=LADDER, kv_migration=kv, kv_always=always,
+                        kv_bytes_per_token=4096, link_bytes_per_s=20e9, prefill_tokens_per_s=20000)
+    compiled = plan(build(raw), cfg)
+    saved = {name: getattr(P, name) for name in ("_bucket", "_predict", "_assign", "_plan_kernel")}
+    if not hasattr(saved["_plan_kernel"], "py_func"):
+        pytest.skip("numba not installed: the planner already runs as Python")
+    try:
+        for name, fn in saved.items():
+            setattr(P, name, fn.py_func)
+        python = plan(build(raw), cfg)
+    finally:
+        for name, fn in saved.items():
+            setattr(P, name, fn)
+    assert python == compiled
+
+
+def test_bad_loads_are_named():
+    loads = long_tail_ranks()
+    with pytest.raises(ValueError, match="rank 1 is reported twice"):
+        plan(loads + [loads[1]], config(True))
+    ids, values = loads[0].pack()
+    with pytest.raises(ValueError, match="differ in length"):
+        plan([(ids[:-1], values)] + [x.pack() for x in loads[1:]], config(True))
+    with pytest.raises(ValueError, match="at least one rank"):
+        plan([], config(True))
 
 
 def long_tail_ranks():

@@ -23,3 +23,37 @@ def test_graph_sizes_parse_to_integers():
 def test_bad_values_name_the_variable(flag, raw):
     with pytest.raises(flags.FlagError, match=flag.name):
         flag.read({flag.name: raw})
+
+
+def test_async_server_notice_is_logged_once(caplog):
+    """verl 0.9's server rollout: with rebalancing requested, the server says why nothing is
+    rebalanced (the hook body; its target is checked against the real verl 0.9.1 source by the
+    conformance tests and below)."""
+    rr._NOTICE_GIVEN.clear()
+    with caplog.at_level("WARNING", logger="ascend_rl_plugins"):
+        rr._async_server_notice(None, (), {})
+        rr._async_server_notice(None, (), {})
+    notices = [r for r in caplog.records if "async server" in r.getMessage()]
+    assert len(notices) == 1 and "LLM._run_engine" in notices[0].getMessage()
+
+
+@pytest.mark.parametrize("stack, verdict", [("current", "will apply"),
+                                            ("recipe", "not for this version")])
+def test_doctor_says_where_rebalancing_does_not_apply(monkeypatch, stack, verdict):
+    """doctor on verl 0.9.1 (current) lists the async-server notice as applying (rebalancing
+    requested); on verl 0.6.1 (recipe, in-process spmd rollout) it does not apply, and it is
+    never reported as a problem."""
+    import os
+    from ascend_rl_plugins.doctor import cache_dir, evaluate, stack_roots
+    from ascend_rl_plugins.patching.core import REGISTRY
+    if not os.path.isdir(os.path.join(cache_dir(), "stacks", stack, "src")):
+        pytest.skip(f"stack {stack} not built")
+    monkeypatch.setenv("ASCEND_RL_ROLLOUT_REBALANCE", "1")
+    flags.reset_cache()
+    try:
+        row = evaluate(REGISTRY.patches["rollout_rebalance.verl_async_server_notice"],
+                       stack_roots(stack)[1])
+    finally:
+        monkeypatch.delenv("ASCEND_RL_ROLLOUT_REBALANCE")
+        flags.reset_cache()
+    assert row.verdict.startswith(verdict) and not row.problem, row

@@ -76,6 +76,27 @@ def _rebalance_after_step(result, instance, args, kwargs):
     return engine.after_step(result, instance)
 
 
+# internal request id -> generator state (uint8 tensor) of a seeded request that migrated in;
+# the runner hook below hands it over once the runner has created the request's generator
+PENDING_GENERATORS: dict = {}
+
+
+@FEATURE.after("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", dist="vllm",
+               versions=">=0.13,<0.24", order=50, params=("self", "scheduler_output"),
+               reason="a seeded request that migrates must continue its random stream: the "
+                      "runner creates the request's torch.Generator from SamplingParams.seed "
+                      "in _update_states, before the step samples; right after it, the "
+                      "generator gets the state read at the source (CPU, NPU and GPU runners "
+                      "all come through here: vLLM-Ascend's NPUModelRunner subclasses it)",
+               remove_when=_REMOVE, replaces="seed verl 0011 (generator not carried)")
+def _restore_generators(result, instance, args, kwargs):
+    if PENDING_GENERATORS:  # empty unless a seeded request just migrated in
+        from . import engine
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        engine.restore_generators(instance, scheduler_output)
+    return result
+
+
 def _run_engine(wrapped, instance, args, kwargs):
     from . import engine
     return engine.run_engine(wrapped, instance, args, kwargs)
@@ -92,3 +113,37 @@ FEATURE.wrap("vllm.entrypoints.offline_utils:OfflineInferenceMixin._run_engine",
              remove_when=_REMOVE, name="rollout_rebalance.run_engine_023",
              replaces="seed verl 0011 (hook.before/after LLM._run_engine)",
              fixed_upstream="lives in vllm.entrypoints.llm:LLM before vLLM 0.23")
+
+
+# -- verl 0.9: the async-server rollout, where nothing can be rebalanced (yet) --------------
+
+ASYNC_SERVER_NOTICE = (
+    "ascend-rl rollout_rebalance: ASCEND_RL_ROLLOUT_REBALANCE is on, but verl 0.9 rolls out "
+    "through an async server (vLLMHttpServer -> AsyncLLM, engine cores in their own "
+    "processes, DP through vLLM's coordinator): LLM._run_engine and LLMEngine.step never run "
+    "there, so no request is rebalanced. Rebalancing applies to in-process rollouts: verl "
+    "0.6.x with rollout.mode=sync (vLLMRollout), or vLLM's offline LLM with one engine per "
+    "DP rank. Where it would belong for the server path: README, rollout rebalance, Enabling.")
+
+
+def _rebalance_requested() -> bool:
+    return bool(ENABLE.value)
+
+
+@FEATURE.before("verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.__init__",
+                dist="verl", versions=">=0.9,<0.10", enabled_by=_rebalance_requested,
+                params=("self",), name="rollout_rebalance.verl_async_server_notice",
+                reason="verl 0.9.x has only the async-server rollout, where the in-process "
+                       "hooks never run: with rebalancing requested, each server says so in "
+                       "its log (once) instead of doing nothing silently",
+                remove_when="rebalancing moves into vLLM's engine-core busy loop / DP "
+                            "coordinator (design in the README)")
+def _async_server_notice(instance, args, kwargs):
+    if not _NOTICE_GIVEN:
+        _NOTICE_GIVEN.append(True)
+        import logging
+        logging.getLogger("ascend_rl_plugins").warning(ASYNC_SERVER_NOTICE)
+
+
+_NOTICE_GIVEN: list = []
+

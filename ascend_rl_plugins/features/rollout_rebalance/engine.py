@@ -19,6 +19,28 @@ table and the model runner's persistent input batch are filled by vLLM itself:
   prefix-cache lookup hands exactly those blocks to the request; only the tokens of the last,
   partial block (< block_size) are recomputed. Without prefix caching, or without the KV,
   the whole prefix is recomputed (migration by recompute).
+
+Sampling state moves with the request:
+
+* ``max_tokens``/``min_tokens`` are reduced by what was generated; stop token ids, EOS and
+  length limits then behave as if the request had never moved;
+* a seeded request's generator state (``SamplingParams.seed``: the model runner's
+  per-request ``torch.Generator``) is read at the source and restored at the destination
+  right after the runner creates the request's generator, before its first sample (the
+  ``GPUModelRunner._update_states`` after-hook), so the random stream continues;
+* text and stop strings: the destination keeps a *shadow* of the origin's detokenizer (vLLM's
+  own ``IncrementalDetokenizer``, primed with the original prompt and fed every token
+  generated so far), so the text is decoded exactly as at the origin (a character split
+  across the boundary, the decoder's prompt context) and stop strings are checked after
+  every step exactly as the origin would (one may span the boundary; ``min_tokens`` and
+  ``include_stop_str_in_output`` included): the destination's engine gets no stop strings
+  of its own, and the request finishes when the shadow finds one;
+* logprobs and the cumulative logprob generated so far are prepended at the end;
+* ``n > 1``: each child request moves on its own; at the end the origin completes the
+  parent's output (the children it kept plus the returned ones, by index) itself;
+* requests whose sampling depends on state we do not move stay where they are: prompt
+  logprobs, frequency/presence penalties (vLLM counts them over output tokens only, and the
+  moved prefix becomes prompt at the destination), bad words, structured outputs.
 """
 
 from __future__ import annotations
@@ -60,6 +82,8 @@ class Origin:
     prefix_logprobs: Any = None
     prefix_cumulative_logprob: float | None = None
     params: Any = None  # the caller's sampling params (max_tokens etc. before any migration)
+    parent: str | None = None  # n > 1: the parent's external id at the origin
+    index: int = 0  # n > 1: this child's index among the parent's completions
 
 
 @dataclass
@@ -120,10 +144,25 @@ class VllmAdapter:
         self.block_pool = self.kv_manager.block_pool
         self.block_size = self.scheduler.cache_config.block_size
         self.origins: dict[str, Origin] = {}  # internal id -> origin (migrated-in requests)
-        self.stash: list[tuple[int, Any]] = []  # (origin rank, merged final output)
-        self.admitted: dict[str, str] = {}  # protocol id -> our new external id
+        # (origin rank, parent external id or None, child index, merged final output)
+        self.stash: list[tuple] = []
+        # requests sent from here: (origin rank, caller id, child index, tokens generated)
+        self.moves: list[tuple] = []
+        self.admitted: dict[str, tuple] = {}  # protocol id -> (our external id, internal id)
         self.by_external: dict[str, str] = {}  # our new external id -> internal id
+        self.runner = None
         self.kv_caches, _ = self._find_kv_caches()
+        self.parents: dict[str, Any] = {}  # parent external id -> its ParentRequest (origin)
+        self.migrated_children: dict[str, set] = {}  # parent external id -> indices moved
+        self._leaving: dict[str, Any] = {}  # protocol id -> ParentRequest, until released
+        self.shadows: dict[str, _Shadow] = {}  # internal id -> origin-exact detokenizer
+        self.tokenizer = getattr(llm_engine.output_processor, "tokenizer", None)
+        try:
+            import inspect
+            self._abort_internal = "internal" in inspect.signature(
+                llm_engine.abort_request).parameters
+        except (TypeError, ValueError):
+            self._abort_internal = False
         groups = self.scheduler.kv_cache_config.kv_cache_groups
         self.kv_capable = bool(self.kv_manager.enable_caching and len(groups) == 1
                                and self.kv_caches is not None)
@@ -138,6 +177,7 @@ class VllmAdapter:
         dim 0), so it is found as the one dimension of size ``num_blocks``."""
         try:
             runner = self.core.model_executor.driver_worker.worker.model_runner
+            self.runner = runner
             layers = list(runner.kv_caches)
         except AttributeError:
             return None, None
@@ -166,6 +206,22 @@ class VllmAdapter:
         state = self._states()[internal_id]
         return getattr(state, "external_req_id", None) or internal_id
 
+    def caller_id(self, internal_id: str) -> str:
+        """The request id of the output the caller gets (the parent's, for n > 1 children)."""
+        state = self._states()[internal_id]
+        parent = getattr(state, "parent_req", None)
+        if parent is not None:
+            return _parent_external(parent)
+        return getattr(state, "external_req_id", None) or internal_id
+
+    def _abort(self, internal_id: str) -> None:
+        """Drop one request (by internal id: on vLLM 0.23 children share their parent's
+        external id, and aborting that would take the siblings too)."""
+        if self._abort_internal:
+            self.engine.abort_request([internal_id], internal=True)
+        else:
+            self.engine.abort_request([internal_id])
+
     def snapshot(self) -> _planner.RankLoad:
         from vllm.v1.request import RequestStatus
         requests = {}
@@ -186,33 +242,42 @@ class VllmAdapter:
         iid = m.request_id
         state = self._states()[iid]
         sreq = self.scheduler.requests[iid]
-        if state.parent_req is not None:
-            raise ValueError("n > 1 requests (parallel sampling) stay where they are")
         origin = self.origins.get(iid)
         params = origin.params if origin is not None else sreq.sampling_params
-        if params is None or params.prompt_logprobs is not None:
-            raise ValueError("prompt-logprob and pooling requests stay where they are")
+        unmovable(params)
         running = sreq.status == RequestStatus.RUNNING
         if running and sreq.num_computed_tokens < sreq.num_prompt_tokens:
             raise ValueError("still in prefill")
+        generator = self._generator_state(iid, params, sreq)
         local = list(sreq.output_token_ids)
         detok = getattr(state, "detokenizer", None)
         lp = getattr(state, "logprobs_processor", None)
-        text = getattr(detok, "output_text", "") or ""
+        shadow = self.shadows.get(iid)
+        if shadow is not None:  # migrated in: the shadow holds the origin-exact text
+            shadow.feed(local[shadow.fed:])
+            text = shadow.text()
+        else:
+            text = (origin.prefix_text if origin is not None else "") + \
+                (getattr(detok, "output_text", "") or "")
         logprobs = getattr(lp, "logprobs", None)
         cumulative = getattr(lp, "cumulative_logprob", None)
         if origin is None:
+            parent = getattr(state, "parent_req", None)
             origin = Origin(self.rank, self._external(iid), state.prompt,
                             list(state.prompt_token_ids or sreq.prompt_token_ids), [],
                             params=params)
+            if parent is not None:
+                origin.parent = _parent_external(parent)
+                origin.index = int(state.request_index)
+                self._leaving[iid] = parent
         meta = {
-            "origin": replace(origin, prefix=origin.prefix + local,
-                              prefix_text=origin.prefix_text + text,
+            "origin": replace(origin, prefix=origin.prefix + local, prefix_text=text,
                               prefix_logprobs=_concat(origin.prefix_logprobs, logprobs),
                               prefix_cumulative_logprob=_add(origin.prefix_cumulative_logprob,
                                                              cumulative)),
             "generated_here": len(local),
             "external_id": self._external(iid),
+            "generator": generator,
         }
         kv = None
         if m.with_kv and self.kv_capable and running:
@@ -228,8 +293,31 @@ class VllmAdapter:
 
     def release(self, meta: dict) -> None:
         """The destination holds the request now: drop it here without emitting an output."""
-        self.engine.abort_request([meta["external_id"]])
-        self.origins.pop(meta["_id"], None)
+        iid = meta["_id"]
+        parent = self._leaving.pop(iid, None)
+        self._abort(iid)
+        self.origins.pop(iid, None)
+        self.shadows.pop(iid, None)
+        origin = meta["origin"]
+        self.moves.append((origin.rank, origin.parent or origin.request_id, origin.index,
+                           len(origin.prefix)))
+        if parent is not None:  # a child leaves its origin: complete the parent at the end
+            key = meta["origin"].parent
+            self.parents.setdefault(key, parent)
+            self.migrated_children.setdefault(key, set()).add(meta["origin"].index)
+
+    def _generator_state(self, iid: str, params, sreq):
+        """A seeded request's generator state (CPU bytes), or None if it has none yet."""
+        from vllm.sampling_params import SamplingType
+        if params.sampling_type != SamplingType.RANDOM_SEED:
+            return None
+        cached = getattr(self.runner, "requests", {}).get(iid) if self.runner else None
+        generator = getattr(cached, "generator", None)
+        if generator is None:
+            if sreq.num_output_tokens:
+                raise ValueError("seeded request whose generator state cannot be read stays")
+            return None  # never sampled: the destination seeds it afresh
+        return bytes(generator.get_state().numpy().tobytes())
 
     # -- destination side ------------------------------------------------------------------------
     def admit(self, meta: dict, kv) -> bool:
@@ -242,18 +330,37 @@ class VllmAdapter:
                 raise ValueError("nothing left to generate")
         if getattr(params, "min_tokens", 0):
             params.min_tokens = max(0, params.min_tokens - done)
-        new_id = f"{MIGRATED_PREFIX}{origin.rank}:{origin.request_id}:{next(self._ids)}"
+        if getattr(params, "truncate_prompt_tokens", None) is not None:
+            params.truncate_prompt_tokens = None  # the origin truncated the real prompt already
+        params.n = 1
+        shadow = None
+        if self.tokenizer is not None and getattr(params, "detokenize", True):
+            shadow = _Shadow(self.tokenizer, origin)
+            if shadow.stops:
+                params.stop = None  # the shadow checks them, as the origin would
+        generator = meta.get("generator")
+        if generator is not None and not _can_restore_generators(self.runner):
+            raise ValueError("this engine's model runner cannot take a generator state")
+        new_id = f"{MIGRATED_PREFIX}{origin.rank}:{origin.request_id}:{origin.index}:" \
+                 f"{next(self._ids)}"
         tokens = list(origin.prompt_token_ids) + list(origin.prefix)
         iid = self.engine.add_request(new_id, {"prompt_token_ids": tokens}, params) or new_id
         try:
             if kv is not None:
                 self._inject(iid, kv, meta["kv_blocks"])
+            if generator is not None:
+                import torch
+                _pending_generators()[iid] = torch.frombuffer(bytearray(generator),
+                                                              dtype=torch.uint8)
         except Exception:
-            self.engine.abort_request([new_id])
+            _pending_generators().pop(iid, None)
+            self._abort(iid)
             raise
         self.origins[iid] = origin
-        self.admitted[meta["_id"]] = new_id
+        self.admitted[meta["_id"]] = (new_id, iid)
         self.by_external[new_id] = iid
+        if shadow is not None:
+            self.shadows[iid] = shadow
         return True
 
     def _inject(self, iid: str, kv, n_full: int) -> None:
@@ -280,13 +387,19 @@ class VllmAdapter:
             self.block_pool.free_blocks(list(reversed(blocks)))
 
     def discard(self, meta: dict) -> None:
-        new_id = self.admitted.pop(meta["_id"], None)
-        if new_id is not None:
-            self.engine.abort_request([new_id])
+        ids = self.admitted.pop(meta["_id"], None)
+        if ids is not None:
+            new_id, iid = ids
+            _pending_generators().pop(iid, None)
+            self.shadows.pop(iid, None)
+            self.by_external.pop(new_id, None)
+            self.origins.pop(iid, None)
+            self._abort(iid)
 
     # -- outputs ----------------------------------------------------------------------------------
     def take_migrated_outputs(self, outputs: list) -> list:
-        """Remove migrated-in requests' outputs from a step's outputs; stash finished ones."""
+        """Remove migrated-in requests' outputs from a step's outputs; stash finished ones
+        (text and stop strings decided by the request's shadow detokenizer)."""
         keep = []
         for out in outputs:
             rid = getattr(out, "request_id", "")
@@ -297,13 +410,156 @@ class VllmAdapter:
                 continue
             iid = self.by_external.pop(rid, None)
             origin = self.origins.pop(iid, None) or _parse_origin(rid)
-            self.stash.append((origin.rank, merge_output(out, origin)))
+            shadow = self.shadows.pop(iid, None)
+            text = None
+            if shadow is not None and out.outputs:
+                c = out.outputs[0]
+                stop = shadow.feed(list(c.token_ids)[shadow.fed:],
+                                   stop_terminated=c.finish_reason == "stop")
+                text = shadow.text()
+                if stop is not None:  # the origin would have stopped on this string
+                    c = copy.copy(c)
+                    c.finish_reason, c.stop_reason = "stop", stop
+                    out = copy.copy(out)
+                    out.outputs = [c] + list(out.outputs[1:])
+            self._stash(origin, merge_output(out, origin, text))
+        if any(shadow.stops for shadow in self.shadows.values()):
+            self._check_stop_strings()
         return keep
+
+    def _stash(self, origin: Origin, merged) -> None:
+        self.stash.append((origin.rank, origin.parent, origin.index, merged))
+
+    def _check_stop_strings(self) -> None:
+        """After a step: feed the shadows of unfinished migrated-in requests that have stop
+        strings; one that finds a stop string finishes its request as the origin would."""
+        requests = self.scheduler.requests
+        for iid, shadow in list(self.shadows.items()):
+            sreq = requests.get(iid)
+            if not shadow.stops or sreq is None:
+                continue
+            stop = shadow.feed(list(sreq.output_token_ids)[shadow.fed:])
+            if stop is None:
+                continue
+            from vllm.v1.engine import FinishReason
+            state = self._states()[iid]
+            out = state.make_request_output(new_token_ids=[], pooling_output=None,
+                                            finish_reason=FinishReason.STOP, stop_reason=stop)
+            self._abort(iid)
+            del self.shadows[iid]
+            origin = self.origins.pop(iid)
+            external = next((k for k, v in self.by_external.items() if v == iid), None)
+            self.by_external.pop(external, None)
+            self._stash(origin, merge_output(out, origin, shadow.text()))
+
+
+class _Shadow:
+    """The origin's detokenizer, rebuilt at the destination: vLLM's own incremental
+    detokenizer primed with the original prompt and fed every generated token, so the text
+    and the stop-string decisions are those the origin would have made."""
+
+    def __init__(self, tokenizer, origin: Origin):
+        from types import SimpleNamespace
+
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+        request = SimpleNamespace(request_id=f"{MIGRATED_PREFIX}shadow", prompt_embeds=None,
+                                  prompt_token_ids=list(origin.prompt_token_ids),
+                                  sampling_params=origin.params)
+        self.detok = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        self.stops = _stop_strings(origin.params)
+        self.fed = 0  # tokens generated here that the shadow has seen
+        # the prefix completed no stop string at the origin (else it would have stopped
+        # there): decode it without looking for one
+        saved = getattr(self.detok, "stop", None)
+        if saved is not None:
+            self.detok.stop = []
+        self.detok.update(list(origin.prefix), False)
+        if saved is not None:
+            self.detok.stop = saved
+
+    def feed(self, tokens: list, stop_terminated: bool = False):
+        """Tokens generated here since the last call; returns a stop string they completed."""
+        if not tokens:
+            return None
+        self.fed += len(tokens)
+        return self.detok.update(list(tokens), stop_terminated)
+
+    def text(self) -> str:
+        return self.detok.get_next_output_text(True, False)
 
 
 def _parse_origin(rid: str) -> Origin:
-    rank, request_id, _ = rid[len(MIGRATED_PREFIX):].rsplit(":", 2)
-    return Origin(int(rank), request_id, None, [], [])
+    rank, rest = rid[len(MIGRATED_PREFIX):].split(":", 1)
+    request_id, index, _ = rest.rsplit(":", 2)
+    return Origin(int(rank), request_id, None, [], [], index=int(index))
+
+
+def _parent_external(parent) -> str:
+    return getattr(parent, "external_req_id", None) or parent.request_id
+
+
+def _stop_strings(params) -> list:
+    stop = getattr(params, "stop", None)
+    if not stop:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def unmovable(params) -> None:
+    """Raise (the request stays at its source) when its sampling depends on state that does
+    not move with it."""
+    if params is None:
+        raise ValueError("pooling requests stay where they are")
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt-logprob requests stay where they are")
+    if getattr(params, "frequency_penalty", 0.0) or getattr(params, "presence_penalty", 0.0):
+        raise ValueError("frequency/presence penalties count output tokens only: the request "
+                         "stays where they are counted")
+    if getattr(params, "bad_words", None):
+        raise ValueError("bad-words requests stay where they are")
+    if getattr(params, "structured_outputs", None) is not None or \
+            getattr(params, "guided_decoding", None) is not None:
+        raise ValueError("structured-output requests stay where they are")
+    if getattr(params, "logits_processors", None):
+        raise ValueError("requests with logits processors stay where they are")
+
+
+def _pending_generators() -> dict:
+    from . import PENDING_GENERATORS
+    return PENDING_GENERATORS
+
+
+def _can_restore_generators(runner) -> bool:
+    """The runner hook that restores generator states is active for this runner."""
+    if runner is None or not hasattr(runner, "requests"):
+        return False
+    from . import _restore_generators
+    patch = getattr(_restore_generators, "__ascend_rl_patch__", None)
+    return patch is not None and patch.outcome.state == "applied" and \
+        isinstance(runner, _patched_runner_class())
+
+
+def _patched_runner_class():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    return GPUModelRunner
+
+
+def restore_generators(runner, scheduler_output) -> None:
+    """Runner after-hook body: give newly added migrated requests their generator state
+    (the runner just created their generators from the seed; nothing has sampled yet)."""
+    pending = _pending_generators()
+    requests = getattr(runner, "requests", {})
+    for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+        state = pending.pop(new.req_id, None)
+        if state is None:
+            continue
+        cached = requests.get(new.req_id)
+        generator = getattr(cached, "generator", None)
+        if generator is None:
+            log.warning("ascend-rl rollout_rebalance: %s has no generator to restore",
+                        new.req_id)
+            continue
+        generator.set_state(state)
 
 
 def _concat(a, b):
@@ -320,8 +576,9 @@ def _add(a, b):
     return (a or 0.0) + (b or 0.0)
 
 
-def merge_output(out, origin: Origin):
-    """The caller's view of a migrated request: original id, prompt and all its tokens."""
+def merge_output(out, origin: Origin, text: str | None = None):
+    """The caller's view of a migrated request: original id, prompt and all its tokens
+    (``text``: the whole output text, when a shadow detokenizer decoded it)."""
     merged = copy.copy(out)
     merged.request_id = origin.request_id
     if origin.prompt_token_ids:
@@ -330,8 +587,9 @@ def merge_output(out, origin: Origin):
     completions = []
     for c in out.outputs:
         c = copy.copy(c)
+        c.index = origin.index
         c.token_ids = list(origin.prefix) + list(c.token_ids)
-        c.text = origin.prefix_text + (c.text or "")
+        c.text = text if text is not None else origin.prefix_text + (c.text or "")
         if origin.prefix_logprobs is not None and c.logprobs is not None:
             c.logprobs = _concat(origin.prefix_logprobs, c.logprobs)
         if origin.prefix_cumulative_logprob is not None and c.cumulative_logprob is not None:
@@ -393,7 +651,9 @@ class Rollout:
         self.moved_in = 0
         self.kv_bytes_in = 0
         states = self.adapter._states()
-        self.caller_order = {self.adapter._external(i): n for n, i in enumerate(states)}
+        self.caller_order = {}
+        for i in states:  # children share their parent's position
+            self.caller_order.setdefault(self.adapter.caller_id(i), len(self.caller_order))
 
     def round(self, working: bool) -> _protocol.RoundResult:
         self.rounds += 1
@@ -421,13 +681,15 @@ class Rollout:
                 outputs.extend(wrapped(*args, **kwargs))
         world = len(self.group_ranks())
         back: list[list] = [[] for _ in range(world)]
-        for origin_rank, out in self.adapter.stash:
-            back[origin_rank].append(out)
+        for origin_rank, parent, index, out in self.adapter.stash:
+            back[origin_rank].append((parent, index, out))
         self.adapter.stash.clear()
         returned = [o for per in _protocol.all_to_all_objects(back, self.group) for o in per]
+        plain = [out for parent, _, out in returned if parent is None]
+        parents = self._complete_parents([x for x in returned if x[0] is not None])
         seen = set()
         result = []
-        for out in outputs + returned:
+        for out in outputs + plain + parents:
             if out.request_id in seen:  # a request that ran twice after a failed round
                 continue
             seen.add(out.request_id)
@@ -439,8 +701,38 @@ class Rollout:
                         self.rank, self.rounds, self.moved_out, self.moved_in)
         _current.last_stats = {"rounds": self.rounds, "moved_out": self.moved_out,
                                "moved_in": self.moved_in, "kv_bytes_in": self.kv_bytes_in,
-                               "steps": self.steps}
+                               "steps": self.steps, "moves": list(self.adapter.moves)}
         return result
+
+    def _complete_parents(self, children: list) -> list:
+        """n > 1 parents some of whose children finished elsewhere: their completions (by
+        index) join those the origin's output processor aggregated; one output per parent."""
+        by_parent: dict[str, list] = {}
+        for key, index, out in children:
+            by_parent.setdefault(key, []).append((index, out))
+        done = []
+        processor = self.engine.output_processor
+        for key, got in by_parent.items():
+            parent = self.adapter.parents.pop(key, None)
+            n = max(index for index, _ in got) + 1
+            completions = list(getattr(parent, "output_aggregator", None) or [])
+            if parent is not None:
+                n = max(n, int(parent.sampling_params.n))
+                getattr(processor, "parent_requests", {}).pop(parent.request_id, None)
+            completions += [None] * (n - len(completions))
+            for index, out in got:
+                completions[index] = out.outputs[0]
+            missing = [i for i, c in enumerate(completions) if c is None]
+            if missing:
+                log.warning("ascend-rl rollout_rebalance: request %s lost completion(s) %s",
+                            key, missing)
+            merged = copy.copy(got[0][1])
+            merged.request_id = key
+            merged.outputs = [c for c in completions if c is not None]
+            merged.finished = True
+            done.append(merged)
+            self.adapter.migrated_children.pop(key, None)
+        return done
 
     def group_ranks(self):
         import torch.distributed as dist

@@ -13,17 +13,29 @@ plan locally, so no rank has to broadcast a decision. Objectives, in strict orde
 4. spread flows: donors and receivers are paired largest-first, which gives at most
    ``donors + receivers - 1`` flows, so a receiver hears from one or two senders, not many.
 
-Complexity: O(R log R) over ranks plus O(1) per moved request. Each rank reports its requests
-already in canonical move order (cheapest first, :func:`move_key`), sorted locally where the
-state lives, so the planner never sorts requests and needs no numpy. No torch/vLLM here.
+Speed (a round must not stall decoding): ranks gather their loads packed
+(:meth:`RankLoad.pack`: request ids plus the raw bytes of one int64 array), the planner joins
+them with one copy and decides the whole plan in one numba-compiled pass (``_plan_kernel``:
+O(ranks + requests) to read, one pass over ranks to pair donors with receivers, O(1) per
+moved request); each rank then lists only its own share (``for_rank``). Each rank reports
+its requests already in canonical move order (cheapest first, :func:`move_key`), sorted
+locally where the state lives, so the planner never sorts requests. Every decision is
+integer arithmetic except the KV-or-recompute choice (one comparison of two float products
+per moved request, the same IEEE operations everywhere), so every rank computes the same
+plan, compiled or not: without numba the same kernel source runs as Python (slowly). No
+torch/vLLM here; numpy and numba are imported only when this module is (lazily, by the
+engine, when a rebalanced generate starts).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import repeat
+from operator import getitem
 from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 # -- inputs and outputs ------------------------------------------------------------------
 
@@ -47,6 +59,7 @@ class PlannerConfig:
             raise ValueError(f"graph_sizes={self.graph_sizes!r}: expected positive integers "
                              f"(the pre-captured graph batch sizes), e.g. (4, 8, 16, 32, 64)")
         object.__setattr__(self, "graph_sizes", tuple(sorted(set(int(s) for s in sizes))))
+        object.__setattr__(self, "_sizes_array", np.array(self.graph_sizes, dtype=np.int64))
         for name in ("kv_bytes_per_token", "link_bytes_per_s", "prefill_tokens_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PlannerConfig.{name}={getattr(self, name)!r}: must be > 0")
@@ -54,10 +67,15 @@ class PlannerConfig:
             raise ValueError(f"PlannerConfig.kv_headroom={self.kv_headroom!r}: must be in [0, 1)")
 
 
-@dataclass
+_HEADER = 6  # packed load: rank, kv used, kv total, block size, max_num_seqs, queued count
+
+
+@dataclass(eq=False)
 class RankLoad:
-    """What one DP rank reports. Request lists are parallel and in canonical move order
-    (:func:`move_key`; use :meth:`from_requests` or :meth:`canonical`)."""
+    """What one DP rank reports. Request fields are parallel and in canonical move order
+    (:func:`move_key`; use :meth:`from_requests` or :meth:`canonical`). ``num_tokens`` and
+    ``waiting`` may be sequences; the constructors make them numpy arrays (int64, bool) so
+    that gathering and planning never touch a request as a Python object."""
 
     rank: int
     request_ids: Sequence[str]
@@ -70,9 +88,10 @@ class RankLoad:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "RankLoad":
-        return cls(int(d["rank"]), list(d["request_ids"]), list(d["num_tokens"]),
-                   list(d["waiting"]), int(d["kv_blocks_used"]), int(d["kv_blocks_total"]),
-                   int(d["block_size"]), int(d["max_num_seqs"]))
+        return cls(int(d["rank"]), list(d["request_ids"]),
+                   np.asarray(d["num_tokens"], dtype=np.int64),
+                   np.asarray(d["waiting"], dtype=bool), int(d["kv_blocks_used"]),
+                   int(d["kv_blocks_total"]), int(d["block_size"]), int(d["max_num_seqs"]))
 
     @classmethod
     def from_requests(cls, rank: int, requests: Mapping[str, tuple[int, bool]], *,
@@ -80,25 +99,43 @@ class RankLoad:
                       max_num_seqs: int) -> "RankLoad":
         """Build from ``{request_id: (num_tokens, waiting)}`` in canonical move order."""
         ids = sorted(requests, key=lambda i: move_key(i, requests[i][0], requests[i][1]))
-        return cls(rank, ids, [int(requests[i][0]) for i in ids],
-                   [bool(requests[i][1]) for i in ids], kv_blocks_used, kv_blocks_total,
-                   block_size, max_num_seqs)
+        return cls(rank, ids, np.array([requests[i][0] for i in ids], dtype=np.int64),
+                   np.array([bool(requests[i][1]) for i in ids], dtype=bool),
+                   int(kv_blocks_used), int(kv_blocks_total), int(block_size),
+                   int(max_num_seqs))
 
     def canonical(self) -> "RankLoad":
         """The same load in canonical move order (what :func:`plan` expects)."""
-        order = sorted(range(len(self.request_ids)), key=lambda i: move_key(
-            self.request_ids[i], self.num_tokens[i], self.waiting[i]))
-        return RankLoad(self.rank, [self.request_ids[i] for i in order],
-                        [int(self.num_tokens[i]) for i in order],
-                        [bool(self.waiting[i]) for i in order], self.kv_blocks_used,
-                        self.kv_blocks_total, self.block_size, self.max_num_seqs)
+        return RankLoad.from_requests(
+            self.rank, {i: (int(t), bool(w)) for i, t, w in
+                        zip(self.request_ids, self.num_tokens, self.waiting)},
+            kv_blocks_used=self.kv_blocks_used, kv_blocks_total=self.kv_blocks_total,
+            block_size=self.block_size, max_num_seqs=self.max_num_seqs)
+
+    def pack(self) -> tuple[list, bytes]:
+        """The compact form ranks gather and :func:`plan` reads fastest: ``(request_ids,
+        values)``, ``values`` the raw bytes of one int64 array ``[rank, kv_blocks_used,
+        kv_blocks_total, block_size, max_num_seqs, number queued, *num_tokens]`` (queued
+        requests first). Bytes, not an array: they pickle and unpickle several times faster
+        than a small numpy array, and the planner joins them with one copy."""
+        load = self
+        waiting = np.asarray(self.waiting, dtype=bool)
+        queued = int(np.count_nonzero(waiting))
+        if not waiting[:queued].all():
+            load = self.canonical()
+        values = np.empty(_HEADER + len(load.request_ids), dtype=np.int64)
+        values[:_HEADER] = (self.rank, self.kv_blocks_used, self.kv_blocks_total,
+                            self.block_size, self.max_num_seqs, queued)
+        values[_HEADER:] = load.num_tokens
+        return list(map(str, load.request_ids)), values.tobytes()
 
     def to_dict(self) -> dict:
+        """Picklable and compact (numpy arrays pickle as raw bytes): what ranks gather."""
         return {"rank": self.rank, "request_ids": list(self.request_ids),
-                "num_tokens": [int(x) for x in self.num_tokens],
-                "waiting": [bool(x) for x in self.waiting], "kv_blocks_used": self.kv_blocks_used,
-                "kv_blocks_total": self.kv_blocks_total, "block_size": self.block_size,
-                "max_num_seqs": self.max_num_seqs}
+                "num_tokens": np.asarray(self.num_tokens, dtype=np.int64),
+                "waiting": np.asarray(self.waiting, dtype=bool),
+                "kv_blocks_used": self.kv_blocks_used, "kv_blocks_total": self.kv_blocks_total,
+                "block_size": self.block_size, "max_num_seqs": self.max_num_seqs}
 
 
 class Migration(NamedTuple):
@@ -151,167 +188,358 @@ def move_key(request_id: str, num_tokens: int, waiting: bool) -> tuple:
     return (not waiting, num_tokens, request_id)
 
 
-class _Cluster:
-    """The gathered state, with O(1) work per rank; requests are touched only when moved."""
-
-    def __init__(self, loads: Iterable[RankLoad | Mapping], config: PlannerConfig):
-        ranks = [x if isinstance(x, RankLoad) else RankLoad.from_dict(x) for x in loads]
-        ranks.sort(key=lambda r: r.rank)
-        self.loads = ranks
-        self.config = config
-        self.counts = counts = []
-        self.free_blocks = []
-        self.stuck = []
-        self.n_waiting = []
-        self.max_seqs = [r.max_num_seqs for r in ranks]
-        headroom = config.kv_headroom
-        free_blocks, stuck, n_waiting = self.free_blocks, self.stuck, self.n_waiting
-        previous = None
-        for r in ranks:
-            if r.rank == previous:
-                raise ValueError(f"rank {r.rank} is reported twice")
-            previous = r.rank
-            n = len(r.request_ids)
-            if not (n == len(r.num_tokens) == len(r.waiting)):
-                raise ValueError(f"rank {r.rank}: request_ids, num_tokens and waiting differ in "
-                                 f"length ({n}, {len(r.num_tokens)}, {len(r.waiting)})")
-            counts.append(n)
-            total = r.kv_blocks_total
-            free = total - r.kv_blocks_used - int(-(-headroom * total // 1))  # ceil reserve
-            free_blocks.append(free if free > 0 else 0)
-            waiting = r.waiting
-            w = waiting.count(True) if type(waiting) is list else sum(map(bool, waiting))
-            n_waiting.append(w)  # queued ones come first in canonical order
-            if not w:
-                stuck.append(0)
-                continue
-            over = n - r.max_num_seqs if n > r.max_num_seqs else 0
-            # queued beyond the slot limit, or queued while the KV cache cannot take any
-            smallest = (int(r.num_tokens[0]) + r.block_size) // r.block_size
-            stuck.append(w if (w > over and smallest > free) else min(over, w))
-
-    def blocks(self, d: int, first: int, k: int) -> list[int]:
-        """KV blocks (incl. the next token's slot) of donor ``d``'s moves ``first..first+k``."""
-        bs = self.loads[d].block_size
-        return [(int(t) + bs) // bs for t in self.loads[d].num_tokens[first:first + k]]
+_I64 = np.int64
+_OK, _UNSORTED, _SHORT = 0, 1, 2  # kernel status
 
 
-def _assign(cl: _Cluster, target: int, allow_partial: bool):
-    """Pair donors (above ``target``, or holding stuck requests) with receivers (below it).
-
-    Returns flows [(donor, receiver, first, count)] where ``first..first+count`` index the
-    donor's move order, or None when ``target`` is unreachable and not ``allow_partial``."""
-    donors = []
-    receivers = []
-    for i, load in enumerate(cl.loads):
-        limit = min(target, load.max_num_seqs)
-        surplus = max(cl.counts[i] - limit, cl.stuck[i])
-        if surplus > 0:
-            donors.append((-surplus, i))
-        elif cl.counts[i] < limit and cl.free_blocks[i] > 0:
-            receivers.append([-(limit - cl.counts[i]), i, cl.free_blocks[i]])
-    if not donors:
-        return []
-    if not allow_partial and -sum(d[0] for d in donors) > -sum(r[0] for r in receivers):
-        return None
-    donors.sort()  # largest surplus first, rank breaks ties: few, large flows
-    receivers.sort()
-    for rc in receivers:
-        rc[0] = -rc[0]
-    flows = []
-    ri = 0
-    for neg, d in donors:
-        surplus = -neg
-        taken = 0
-        while surplus > 0 and ri < len(receivers):
-            rc = receivers[ri]
-            want = min(surplus, rc[0])
-            need = list(accumulate(cl.blocks(d, taken, want)))
-            fit = bisect_right(need, rc[2])
-            if fit > 0:
-                flows.append((d, rc[1], taken, fit))
-                taken += fit
-                surplus -= fit
-                rc[0] -= fit
-                rc[2] -= need[fit - 1]
-            if fit < want or rc[0] == 0:
-                ri += 1  # this receiver is full (slots, or blocks for the next request)
-        if surplus > 0 and not allow_partial:
-            return None
-    return flows
+def _packed(load) -> tuple:
+    if type(load) is tuple:
+        return load
+    if isinstance(load, RankLoad):
+        return load.pack()
+    return RankLoad.from_dict(load).pack()
 
 
-def _predict(cl: _Cluster, flows, config: PlannerConfig) -> tuple[int, int]:
-    """(largest bucket, total stuck requests) once ``flows`` are applied."""
-    counts = list(cl.counts)
-    stuck = list(cl.stuck)
-    for d, rc, first, k in flows:
+# -- the kernel: one pass over the gathered arrays, compiled by numba ------------------------
+#
+# Plain Python over numpy arrays, so the same code runs uncompiled when numba is missing
+# (vLLM and vLLM-Ascend both depend on numba, so that is a fallback only, and a slow one).
+# All decisions are integer arithmetic; the KV-or-recompute choice is a comparison of two
+# float products (no sums, so no contraction/reassociation question): every rank, compiled or
+# not, computes the same plan.
+
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover
+    def njit(*args, **kwargs):
+        return args[0] if args and callable(args[0]) else (lambda f: f)
+
+
+@njit(cache=True)
+def _bucket(count, sizes):
+    if count <= 0:
+        return 0
+    for s in sizes:
+        if s >= count:
+            return s
+    return count
+
+
+@njit(cache=True)
+def _predict(n, max_seqs, stuck, sizes, flows, nflows):
+    """(largest bucket, stuck requests) once the first ``nflows`` flows are applied."""
+    R = n.shape[0]
+    counts = n.copy()
+    shed = np.zeros(R, dtype=np.int64)
+    for f in range(nflows):
+        d, rc, first, k = flows[f, 0], flows[f, 1], flows[f, 2], flows[f, 3]
         counts[d] -= k
         counts[rc] += k
-        # queued requests come first in a donor's move order
-        stuck[d] = max(0, cl.stuck[d] - (first + k))
-    largest = max(map(min, counts, cl.max_seqs))  # bucket() is monotone
-    over = sum(c - s for c, s in zip(counts, cl.max_seqs) if c > s)
-    return bucket(largest, config.graph_sizes), max(sum(stuck), over)
+        if first + k > shed[d]:
+            shed[d] = first + k  # queued requests leave a donor first
+    largest = 0
+    over = 0
+    left = 0
+    for r in range(R):
+        c = min(counts[r], max_seqs[r])
+        if c > largest:
+            largest = c
+        if counts[r] > max_seqs[r]:
+            over += counts[r] - max_seqs[r]
+        left += max(stuck[r] - shed[r], 0)
+    return _bucket(largest, sizes), max(left, over)
 
 
-def plan(loads: Iterable[RankLoad | Mapping], config: PlannerConfig | None = None, *,
+@njit(cache=True)
+def _assign(target, allow_partial, n, max_seqs, stuck, free, cum, off, flows):
+    """Pair donors (above ``target``, or holding stuck requests) with receivers (below it),
+    largest surplus with largest room first (rank position breaks ties): few, large flows.
+    A receiver takes a donor's next requests while its slots and free KV blocks last.
+    Writes flows (donor, receiver, first, count) into ``flows``; returns their number, or
+    -1 when ``target`` is unreachable and not ``allow_partial``."""
+    R = n.shape[0]
+    surplus = np.empty(R, dtype=np.int64)
+    room = np.empty(R, dtype=np.int64)
+    nd = 0
+    nr = 0
+    total_surplus = 0
+    total_room = 0
+    for r in range(R):
+        limit = min(target, max_seqs[r])
+        surplus[r] = max(n[r] - limit, stuck[r])
+        room[r] = limit - n[r]
+        if surplus[r] > 0:
+            nd += 1
+            total_surplus += surplus[r]
+        elif room[r] > 0 and free[r] > 0:
+            nr += 1
+            total_room += room[r]
+    if nd == 0:
+        return 0
+    if not allow_partial and total_surplus > total_room:
+        return -1
+    donors = np.empty(nd, dtype=np.int64)
+    receivers = np.empty(nr, dtype=np.int64)
+    i = 0
+    j = 0
+    for r in range(R):
+        if surplus[r] > 0:
+            donors[i] = r
+            i += 1
+        elif room[r] > 0 and free[r] > 0:
+            receivers[j] = r
+            j += 1
+    donors = donors[np.argsort(-surplus[donors], kind="mergesort")]  # stable
+    receivers = receivers[np.argsort(-room[receivers], kind="mergesort")]
+    r_room = room[receivers]
+    r_free = free[receivers]
+    nflows = 0
+    ri = 0
+    for d in donors:
+        left = surplus[d]
+        lo = off[d]
+        base = lo
+        while left > 0 and ri < nr:
+            want = min(left, r_room[ri])
+            start = cum[lo]
+            fit = 0  # how many of the next ``want`` requests fit in the free blocks
+            while fit < want and cum[lo + fit + 1] - start <= r_free[ri]:
+                fit += 1
+            if fit > 0:
+                flows[nflows, 0] = d
+                flows[nflows, 1] = receivers[ri]
+                flows[nflows, 2] = lo - base
+                flows[nflows, 3] = fit
+                nflows += 1
+                lo += fit
+                left -= fit
+                r_room[ri] -= fit
+                r_free[ri] -= cum[lo] - start
+            if fit < want or r_room[ri] == 0:
+                ri += 1  # this receiver is full (slots, or blocks for the next request)
+        if left > 0 and not allow_partial:
+            return -1
+    return nflows
+
+
+@njit(cache=True)
+def _plan_kernel(flat, lens, sizes, headroom, kv_on, kv_always, kv_bytes_per_token,
+                 per_token_recompute, only_rank, for_rank):
+    """The whole plan from the packed loads (``flat``: their int64 arrays concatenated,
+    ``lens``: their lengths). Returns (status, bad rank position, bucket before, waiting
+    before, bucket after, waiting after, target, total moves, and per listed migration:
+    source position, source rank, destination rank, index in the source's move order,
+    tokens, blocks, with KV, bytes)."""
+    R = lens.shape[0]
+    H = 6
+    n = np.empty(R, dtype=np.int64)
+    rank = np.empty(R, dtype=np.int64)
+    used = np.empty(R, dtype=np.int64)
+    total = np.empty(R, dtype=np.int64)
+    bs = np.empty(R, dtype=np.int64)
+    max_seqs = np.empty(R, dtype=np.int64)
+    queued = np.empty(R, dtype=np.int64)
+    e = np.zeros(0, dtype=np.int64)
+    b = np.zeros(0, dtype=np.bool_)
+    head = 0
+    N = 0
+    for r in range(R):
+        if lens[r] < H:
+            return _SHORT, r, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, b, e
+        rank[r] = flat[head]
+        used[r] = flat[head + 1]
+        total[r] = flat[head + 2]
+        bs[r] = flat[head + 3]
+        max_seqs[r] = flat[head + 4]
+        n[r] = lens[r] - H
+        queued[r] = min(max(flat[head + 5], 0), n[r])
+        if r and rank[r] <= rank[r - 1]:
+            return _UNSORTED, r, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, b, e
+        head += lens[r]
+        N += n[r]
+    tokens = np.empty(N, dtype=np.int64)
+    blocks = np.empty(N, dtype=np.int64)
+    cum = np.zeros(N + 1, dtype=np.int64)  # cum[j]: KV blocks of flat requests 0..j-1
+    off = np.empty(R, dtype=np.int64)
+    free = np.empty(R, dtype=np.int64)
+    stuck = np.empty(R, dtype=np.int64)
+    head = 0
+    j = 0
+    for r in range(R):
+        off[r] = j
+        for i in range(n[r]):
+            t = flat[head + H + i]
+            tokens[j] = t
+            blocks[j] = (t + bs[r]) // bs[r]  # incl. the next token's slot
+            cum[j + 1] = cum[j] + blocks[j]
+            j += 1
+        head += lens[r]
+        reserve = np.int64(np.ceil(headroom * np.float64(total[r])))
+        free[r] = max(total[r] - used[r] - reserve, 0)
+        w = queued[r]  # queued requests come first in canonical order
+        if w == 0:
+            stuck[r] = 0
+        else:
+            over = max(n[r] - max_seqs[r], 0)
+            # queued beyond the slot limit, or queued while the KV cache cannot take any
+            if w > over and blocks[off[r]] > free[r]:
+                stuck[r] = w
+            else:
+                stuck[r] = min(over, w)
+    flows = np.zeros((2 * R + 1, 4), dtype=np.int64)
+    bucket_before, waiting_before = _predict(n, max_seqs, stuck, sizes, flows, 0)
+    if R < 2:
+        return _OK, 0, bucket_before, waiting_before, bucket_before, waiting_before, 0, 0, \
+            e, e, e, e, e, e, b, e
+    most = 0
+    for r in range(R):
+        most = max(most, max_seqs[r])
+    lower = (N + R - 1) // R
+    nflows = -1
+    target = 0
+    for s in sizes:
+        if s < lower or s >= most:
+            continue
+        if waiting_before == 0 and _bucket(s, sizes) >= bucket_before:
+            break  # no smaller bucket is reachable
+        nflows = _assign(s, False, n, max_seqs, stuck, free, cum, off, flows)
+        if nflows >= 0:
+            target = s
+            break
+    if nflows < 0 and not (waiting_before == 0 and _bucket(most, sizes) >= bucket_before):
+        nflows = _assign(most, False, n, max_seqs, stuck, free, cum, off, flows)
+        target = most
+    if nflows < 0 and waiting_before:
+        nflows = _assign(most, True, n, max_seqs, stuck, free, cum, off, flows)  # un-stick
+        target = most
+    if nflows <= 0:
+        return _OK, 0, bucket_before, waiting_before, bucket_before, waiting_before, 0, 0, \
+            e, e, e, e, e, e, b, e
+    bucket_after, waiting_after = _predict(n, max_seqs, stuck, sizes, flows, nflows)
+    if not (waiting_after < waiting_before
+            or (waiting_after == waiting_before and bucket_after < bucket_before)):
+        return _OK, 0, bucket_before, waiting_before, bucket_before, waiting_before, 0, 0, \
+            e, e, e, e, e, e, b, e
+    moves = 0
+    listed = 0
+    for f in range(nflows):
+        moves += flows[f, 3]
+        if not only_rank or rank[flows[f, 0]] == for_rank or rank[flows[f, 1]] == for_rank:
+            listed += flows[f, 3]
+    src_pos = np.empty(listed, dtype=np.int64)
+    src = np.empty(listed, dtype=np.int64)
+    dst = np.empty(listed, dtype=np.int64)
+    index = np.empty(listed, dtype=np.int64)
+    m_tokens = np.empty(listed, dtype=np.int64)
+    m_blocks = np.empty(listed, dtype=np.int64)
+    m_kv = np.zeros(listed, dtype=np.bool_)
+    m_bytes = np.zeros(listed, dtype=np.int64)
+    m = 0
+    for f in range(nflows):
+        d, rc, first, k = flows[f, 0], flows[f, 1], flows[f, 2], flows[f, 3]
+        if only_rank and rank[d] != for_rank and rank[rc] != for_rank:
+            continue
+        block_bytes = np.float64(bs[d]) * kv_bytes_per_token
+        for i in range(first, first + k):
+            p = off[d] + i
+            src_pos[m] = d
+            src[m] = rank[d]
+            dst[m] = rank[rc]
+            index[m] = i
+            m_tokens[m] = tokens[p]
+            m_blocks[m] = blocks[p]
+            # KV transfer beats recompute when blocks*block_bytes/link < tokens/prefill
+            if kv_on and i >= queued[d] and (
+                    kv_always or np.float64(blocks[p]) * block_bytes
+                    < np.float64(tokens[p]) * per_token_recompute):
+                m_kv[m] = True
+                m_bytes[m] = np.int64(np.float64(blocks[p]) * block_bytes)
+            m += 1
+    return _OK, 0, bucket_before, waiting_before, bucket_after, waiting_after, target, moves, \
+        src_pos, src, dst, index, m_tokens, m_blocks, m_kv, m_bytes
+
+
+_kernel_entry: list = [None, None]  # (unused, compiled entry point)
+
+
+def _run_kernel(*args):
+    """Call the compiled kernel without numba's per-call type dispatch once the types are
+    known (they never change: the glue below fixes every argument's type)."""
+    kernel = _plan_kernel
+    if not hasattr(kernel, "overloads"):  # numba missing: plain Python
+        return kernel(*args)
+    entry = _kernel_entry[1]
+    if entry is None:
+        out = kernel(*args)
+        from numba import typeof
+        _kernel_entry[1] = kernel.overloads[tuple(typeof(x) for x in args)].entry_point
+        return out
+    return entry(*args)
+
+
+def plan(loads: Iterable[RankLoad | Mapping | tuple], config: PlannerConfig | None = None, *,
          for_rank: int | None = None) -> Plan:
     """The migrations that best rebalance ``loads`` (see the module docstring).
 
-    Each rank lists its requests in canonical move order (:func:`move_key`; build loads with
-    :meth:`RankLoad.from_requests` or :meth:`RankLoad.canonical`): the order is computed where
-    the state is, in parallel, and the planner never sorts requests. Ranks may come in any
-    order. ``for_rank``: list only the migrations this rank sends or receives (every rank
+    ``loads``: one per rank, as :class:`RankLoad`, its :meth:`~RankLoad.to_dict` or (fastest)
+    its :meth:`~RankLoad.pack`; each lists its requests in canonical move order
+    (:func:`move_key`; build loads with :meth:`RankLoad.from_requests`): the order is computed
+    where the state is, in parallel, and the planner never sorts requests. Ranks may come in
+    any order. ``for_rank``: list only the migrations this rank sends or receives (every rank
     still computes the whole plan's flows; it just does not materialize others' requests).
     """
     config = config or PlannerConfig()
-    cl = _Cluster(loads, config)
-    bucket_before, waiting_before = _predict(cl, [], config)
-    result = Plan(bucket_before=bucket_before, bucket_after=bucket_before,
-                  waiting_before=waiting_before, waiting_after=waiting_before)
-    if len(cl.loads) < 2:
-        return result
-    total = sum(cl.counts)
-    most = max(load.max_num_seqs for load in cl.loads)
-    lower = -(-total // len(cl.loads))
-    candidates = [s for s in config.graph_sizes if lower <= s < most] + [most]
-    chosen = None
-    for target in candidates:
-        if waiting_before == 0 and bucket(target, config.graph_sizes) >= bucket_before:
-            break  # no smaller bucket is reachable
-        flows = _assign(cl, target, allow_partial=False)
-        if flows is not None:
-            chosen = (target, flows)
-            break
-    if chosen is None and waiting_before:
-        chosen = (most, _assign(cl, most, allow_partial=True))  # un-stick what fits
-    if chosen is None or not chosen[1]:
-        return result
-    target, flows = chosen
-    bucket_after, waiting_after = _predict(cl, flows, config)
-    if not (waiting_after < waiting_before
-            or (waiting_after == waiting_before and bucket_after < bucket_before)):
-        return result
-    migrations = []
-    kv_on, kv_always = config.kv_migration, config.kv_always
-    for d, rc, first, k in flows:
-        src = cl.loads[d]
-        dst = cl.loads[rc].rank
-        if for_rank is not None and for_rank != src.rank and for_rank != dst:
+    loads = loads if isinstance(loads, list) else list(loads)
+    if set(map(type, loads)) != {tuple}:
+        loads = list(map(_packed, loads))
+    if not loads:
+        raise ValueError("plan() needs the load of at least one rank")
+    sizes = config._sizes_array
+    ratio = config.link_bytes_per_s / config.prefill_tokens_per_s
+    while True:
+        ids, arrays = zip(*loads)
+        if set(map(type, arrays)) == {bytes}:  # the packed form
+            lens = np.fromiter(map(len, arrays), dtype=_I64, count=len(arrays))
+            if (lens % 8).any():
+                raise ValueError("a packed load's values must be whole int64s (RankLoad.pack)")
+            lens //= 8
+            flat = np.frombuffer(b"".join(arrays), dtype=_I64).copy()
+        else:
+            arrays = [np.asarray(a, dtype=_I64).reshape(-1) for a in arrays]
+            lens = np.fromiter(map(len, arrays), dtype=_I64, count=len(arrays))
+            flat = np.concatenate(arrays)
+        out = _run_kernel(flat, lens, sizes, float(config.kv_headroom), bool(config.kv_migration),
+                          bool(config.kv_always), float(config.kv_bytes_per_token), float(ratio),
+                          for_rank is not None, -1 if for_rank is None else int(for_rank))
+        status, bad = out[0], out[1]
+        if status == _UNSORTED:
+            heads = (np.cumsum(lens) - lens).tolist()
+            order = sorted(range(len(loads)), key=lambda i: int(flat[heads[i]]))
+            ranks = [int(flat[heads[i]]) for i in order]
+            twice = [a for a, b in zip(ranks, ranks[1:]) if a == b]
+            if twice:
+                raise ValueError(f"rank {twice[0]} is reported twice")
+            loads = [loads[i] for i in order]
             continue
-        block_bytes = src.block_size * config.kv_bytes_per_token
-        # KV transfer beats recompute when blocks*block_bytes/link < tokens/prefill
-        per_token_recompute = config.link_bytes_per_s / config.prefill_tokens_per_s
-        ids, tokens, waiting = src.request_ids, src.num_tokens, src.waiting
-        for i, blocks in zip(range(first, first + k), cl.blocks(d, first, k)):
-            kv = kv_on and not waiting[i] and (
-                kv_always or blocks * block_bytes < int(tokens[i]) * per_token_recompute)
-            migrations.append(Migration(str(ids[i]), src.rank, dst, kv, int(tokens[i]), blocks,
-                                        int(blocks * block_bytes) if kv else 0))
-    result.migrations = migrations
-    result.total = sum(k for _, _, _, k in flows)
-    result.bucket_after = bucket_after
-    result.waiting_after = waiting_after
-    result.target = target
+        if status == _SHORT:
+            raise ValueError(f"load #{bad}: a packed load needs at least {_HEADER} values, "
+                             f"got {int(lens[bad])}")
+        break
+    counts = (lens - _HEADER).tolist()
+    if counts != list(map(len, ids)):
+        bad = next(i for i, (c, x) in enumerate(zip(counts, ids)) if c != len(x))
+        raise ValueError(f"rank {int(flat[int((np.cumsum(lens) - lens)[bad])])}: request_ids, "
+                         f"num_tokens and waiting "
+                         f"differ in length ({len(ids[bad])}, {counts[bad]})")
+    (_, _, bucket_before, waiting_before, bucket_after, waiting_after, target, moves,
+     src_pos, src, dst, index, tokens, blocks, kv, nbytes) = out
+    result = Plan(bucket_before=int(bucket_before), bucket_after=int(bucket_after),
+                  waiting_before=int(waiting_before), waiting_after=int(waiting_after),
+                  target=int(target), total=int(moves))
+    if len(src):
+        request_ids = map(str, map(getitem, map(ids.__getitem__, src_pos.tolist()),
+                                   index.tolist()))
+        result.migrations = list(map(tuple.__new__, repeat(Migration), zip(
+            request_ids, src.tolist(), dst.tolist(), kv.tolist(), tokens.tolist(),
+            blocks.tolist(), nbytes.tolist())))
     return result

@@ -2,7 +2,8 @@
 
 One *round* is a fixed sequence of collectives that every DP rank runs at the same point:
 
-1. all-gather of each rank's load (:class:`~.planner.RankLoad`) and a "still working" flag;
+1. all-gather of each rank's load (:meth:`~.planner.RankLoad.pack`: request ids and one
+   int64 array) and a "still working" flag;
 2. every rank computes the same plan locally (:func:`~.planner.plan`);
 3. all-to-all-v of request metadata (pickled, sizes first, then one byte buffer);
 4. all-to-all-v of KV blocks in bulk: per destination, the blocks of all its requests
@@ -61,7 +62,7 @@ class RoundResult:
     bytes_received: int = 0
     seconds: float = 0.0
     all_idle: bool = False  # no rank has any request left and no rank is still working
-    loads: list = field(default_factory=list)
+    loads: list = field(default_factory=list)  # the gathered packed loads
 
 
 def _dist():
@@ -131,15 +132,16 @@ def rebalance_round(adapter: Adapter, group, config: PlannerConfig, *, working: 
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
     load = adapter.snapshot()
-    gathered = all_gather_objects((load.to_dict(), bool(working), bool(kv_capable)), group)
+    load.rank = me  # group ranks are the identities the plan talks about
+    request_ids, values = load.pack()
+    # compact: one int64 array per rank (pickled as raw bytes) plus its request ids
+    gathered = all_gather_objects(((request_ids, values), bool(working), bool(kv_capable)),
+                                  group)
     loads = [g[0] for g in gathered]
     if config.kv_migration and not all(g[2] for g in gathered):
         config = replace(config, kv_migration=False)
     result = RoundResult(loads=loads)
-    # group ranks are the identities the plan talks about
-    for i, d in enumerate(loads):
-        d["rank"] = i
-    if not any(g[1] for g in gathered) and not any(d["request_ids"] for d in loads):
+    if not any(g[1] for g in gathered) and not any(ids for ids, _ in loads):
         result.all_idle = True
         return result
     planned = plan(loads, config, for_rank=me)
