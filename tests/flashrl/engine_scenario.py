@@ -26,11 +26,13 @@ def build_artifacts(workdir: str) -> dict:
     from ascend_rl_plugins.features.flashrl import checkpoint, config, profile, quant
 
     a_dir = tiny_qwen3.cached()
-    paths = {k: os.path.join(workdir, k) for k in ("bf16_b", "int8_a", "int8_b")}
+    paths = {k: os.path.join(workdir, k) for k in ("bf16_b", "int8_a", "int8_b", "fp8_a", "fp8_b")}
     paths["bf16_a"] = a_dir
     paths["profile"] = os.path.join(workdir, "profile.pt")
     paths["config"] = os.path.join(workdir, "flashrl.yaml")
     paths["config_b"] = os.path.join(workdir, "flashrl_b.yaml")
+    paths["fp8_profile"] = os.path.join(workdir, "profile_fp8.pt")
+    paths["fp8_config"] = os.path.join(workdir, "flashrl_fp8.yaml")
     if os.path.exists(os.path.join(workdir, "done.json")):
         return paths
     a = profile.read_tensors(a_dir)
@@ -49,6 +51,12 @@ def build_artifacts(workdir: str) -> dict:
     for src, dst in (("bf16_a", "int8_a"), ("bf16_b", "int8_b")):
         prof = profile.Profile.from_factors(shapes, known["norm"], known["down"])
         checkpoint.quantize_checkpoint(paths[src], paths[dst], profile=prof)
+    for src, dst in (("bf16_a", "fp8_a"), ("bf16_b", "fp8_b")):
+        prof = profile.Profile.from_factors(shapes, known["norm"], known["down"], fn="fp8_channel")
+        checkpoint.quantize_checkpoint(paths[src], paths[dst], profile=prof, fn="fp8_channel")
+    profile.derive_profile(a_dir, paths["fp8_a"], fn="fp8_channel").save(paths["fp8_profile"])
+    config.write_config(paths["fp8_config"], config.RolloutConfig(fn="fp8_channel", model=paths["fp8_a"],
+                                                                  profile=paths["fp8_profile"]), append=False)
     derived = profile.derive_profile(a_dir, paths["int8_a"])
     derived.save(paths["profile"])
     config.write_config(paths["config"], config.RolloutConfig(fn="int8", model=paths["int8_a"],
@@ -102,12 +110,23 @@ def _generate(llm):
     return out
 
 
+def as_bits(t):
+    """FP8 tensors compared as their bytes (torch.equal has no float8 kernel on CPU)."""
+    import torch
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def bits_equal(a, b) -> bool:
+    import torch
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bits(a), as_bits(b))
+
+
 def _processed_state(model) -> dict:
     """Every tensor the engine holds for the model (after post-processing)."""
     import torch
     state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
     for n, b in model.named_buffers():
-        if b.dtype in (torch.float32, torch.bfloat16, torch.int8):
+        if b.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
             state["buffer:" + n] = b.detach().clone().contiguous()
     return state
 
@@ -131,20 +150,26 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
 
     import onednn_int8_double
     double = onednn_int8_double.install()
+    fmt = "fp8" if role.startswith("fp8_") else "int8"
+    role = role[len("fp8_"):] if fmt == "fp8" else role
+    if fmt == "fp8":
+        import fp8_capability_double
+        fp8_capability_double.install()
     from vllm import LLM
 
     # the trainer-side path (BF16) is what verl passes; flashrl swaps in the W8A8 model
-    model_arg = paths["bf16_a"] if role == "reload" else paths["int8_b"]
+    model_arg = paths["bf16_a"] if role == "reload" else paths[f"{fmt}_b"]
     llm = LLM(model=model_arg, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="bfloat16",
               seed=0, gpu_memory_utilization=0.5)
     import time
     t0 = time.perf_counter()
     model = _model(llm)
     res = {"double": double, "lm_head_dtype": str(model.lm_head.weight.dtype),
-           "served": llm.llm_engine.model_config.model}
+           "served": llm.llm_engine.model_config.model,
+           "scheme": type(getattr(model.model.layers[0].mlp.gate_up_proj, "scheme", None)).__name__}
     if role == "direct":
         res["out"] = _generate(llm)
-        save_file(_processed_state(model), os.path.join(out_dir, "direct_state.safetensors"))
+        save_file(_processed_state(model), os.path.join(out_dir, f"{fmt}_direct_state.safetensors"))
         return res
     from ascend_rl_plugins.features.flashrl import reload as rl
     state = rl.state_of(model)
@@ -156,11 +181,11 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
     loaded = model.load_weights(_stream(paths["bf16_b"]))
     res["loaded"] = len(loaded)
     # bit-exact comparison of the online quantization with the offline W8A8(B) checkpoint
-    offline = load_file(os.path.join(paths["int8_b"], "model.safetensors"))
+    offline = load_file(os.path.join(paths[f"{fmt}_b"], "model.safetensors"))
     mism = {}
     for wname, (q, s) in state.last_quantized.items():
-        if not torch.equal(q, offline[wname]) or not torch.equal(s, offline[wname + "_scale"]):
-            mism[wname] = int((q != offline[wname]).sum())
+        if not bits_equal(q, offline[wname]) or not torch.equal(s, offline[wname + "_scale"]):
+            mism[wname] = int((as_bits(q) != as_bits(offline[wname])).sum())
     res["n_quantized"] = len(state.last_quantized)
     res["quant_mismatch"] = mism
     res["norm_mismatch"] = [n for n, t in _stream(paths["int8_b"]) if n.endswith("norm.weight") and not
@@ -171,7 +196,7 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
     res["ptr_changed"] = sorted(n for n in ptrs0 if ptrs1.get(n) != ptrs0[n])
     res["n_params"] = len(ptrs0)
     res["out_after"] = _generate(llm)
-    save_file(_processed_state(model), os.path.join(out_dir, "reload_state.safetensors"))
+    save_file(_processed_state(model), os.path.join(out_dir, f"{fmt}_reload_state.safetensors"))
     # repeated reloads: memory must not grow
     stream_a, stream_b = _stream(paths["bf16_a"]), _stream(paths["bf16_b"])
     rss = []

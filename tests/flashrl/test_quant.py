@@ -120,3 +120,95 @@ def test_out_buffers_are_written_in_place_and_validated():
         Q.quantize_int8_rows(w, out=torch.empty(10, 11, dtype=torch.int8))
     with pytest.raises(ValueError, match="2-D"):
         Q.quantize_int8_rows_torch(torch.zeros(3))
+
+
+# -- FP8 E4M3 (compressed-tensors FP8 W8A8) ------------------------------------------------
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 60), k=st.integers(1, 70), seed=st.integers(0, 10_000),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), zero_rows=st.integers(0, 2),
+       smooth=st.booleans(), gain=st.booleans(), strategy=st.sampled_from(["channel", "tensor"]),
+       block=st.sampled_from([4, 64, 1 << 20]), magnitude=st.sampled_from([1e-4, 1.0, 1e3]))
+def test_fp8_properties_and_block_size_invariance(n, k, seed, dtype, zero_rows, smooth, gain, strategy, block,
+                                                  magnitude):
+    w = _weight(seed, n, k, dtype, min(zero_rows, n), scale=magnitude)
+    col = _factors(seed, k) if smooth else None
+    row = _factors(seed + 7, n) if gain else None
+    q, s = Q.quantize_fp8_rows(w, col, row, strategy=strategy, block_bytes=block)
+    q2, s2 = Q.quantize_fp8_rows(w, col, row, strategy=strategy)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert s.shape == ((n, 1) if strategy == "channel" else (1,))
+    assert torch.equal(_bits(q), _bits(q2)) and torch.equal(s, s2)
+    x = w.float() * (1 if col is None else col.view(1, -1)) * (1 if row is None else row.view(-1, 1))
+    amax = x.abs().amax(dim=1, keepdim=True) if strategy == "channel" else x.abs().amax().reshape(1)
+    want = amax / Q.FP8_MAX
+    want = torch.where(want == 0, torch.full_like(want, torch.finfo(torch.float32).eps), want)
+    assert torch.equal(s, want)
+    deq = Q.dequantize_fp8_rows(q, s)
+    assert torch.isfinite(deq).all() and (deq.abs() <= amax.reshape(-1, 1) * (1 + 1e-6) + 1e-30).all()
+    # E4M3 has 3 mantissa bits: relative error of a normal value at most 2**-4
+    big = x.abs() >= s.reshape(-1, 1) * 2 ** -6 * 8
+    assert ((deq - x).abs()[big] <= x.abs()[big] * 2 ** -4 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_fp8_matches_compressed_tensors_reference_quantizer(strategy):
+    ct_forward = pytest.importorskip("compressed_tensors.quantization.lifecycle.forward")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
+    for seed in range(5):
+        w = _weight(seed, 96, 80, torch.bfloat16, zero_rows=1, scale=0.05)
+        w[2, :7] = -0.0  # compressed-tensors adds its zero point: -0.0 becomes +0.0
+        col = _factors(seed, 80)
+        q, s = Q.quantize_fp8_rows(w, col, strategy=strategy, block_bytes=5000)
+        x = w.float() * col
+        lo = x.amin(dim=1, keepdim=True) if strategy == "channel" else x.amin().reshape(1)
+        hi = x.amax(dim=1, keepdim=True) if strategy == "channel" else x.amax().reshape(1)
+        ref_s, ref_zp = calculate_qparams(lo, hi, args)
+        assert torch.equal(ref_s.reshape(s.shape), s)
+        ref = ct_forward.quantize(x, s, torch.zeros_like(s), args, dtype=torch.float8_e4m3fn)
+        assert torch.equal(_bits(ref), _bits(q))
+
+
+def test_fp8_validates_arguments():
+    w = _weight(1, 6, 5, torch.bfloat16)
+    with pytest.raises(ValueError, match="strategy"):
+        Q.quantize_fp8_rows(w, strategy="block")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        Q.quantize_fp8_rows(w, out=torch.empty(6, 5, dtype=torch.int8))
+    with pytest.raises(ValueError, match="scale"):
+        Q.quantize_fp8_rows(w, strategy="tensor", scale_out=torch.empty(6, 1))
+
+
+# -- bounded exact int8 reductions (used around vLLM's post-processing) ---------------------
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), k=st.integers(1, 700), seed=st.integers(0, 1000), dim=st.sampled_from([0, 1, -1, -2]),
+       keepdim=st.booleans(), transposed=st.booleans(), as_kw=st.booleans())
+def test_bounded_int_sum_is_bit_identical(n, k, seed, dim, keepdim, transposed, as_kw):
+    from ascend_rl_plugins.features.flashrl import reload as R
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    x = w.t() if transposed else w
+    want = x.sum(dim=dim, keepdim=keepdim, dtype=torch.float32)
+    with R.BoundedIntSum():
+        got = (x.sum(dim=dim, keepdim=keepdim, dtype=torch.float32) if as_kw
+               else torch.sum(x, dim, keepdim, dtype=torch.float32))
+        other = (x.float() + 1).sum()  # anything else passes through
+    assert got.dtype == torch.float32 and got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(other, (x.float() + 1).sum())
+
+
+def test_bounded_int_sum_slices_large_reductions():
+    from ascend_rl_plugins.features.flashrl import reload as R
+    w = torch.randint(-128, 128, (4096, 512), dtype=torch.int8)
+    assert R._sliced_int_sum((w.t(),), {"dim": 0, "keepdim": True, "dtype": torch.float32}) is not None
+    assert R._sliced_int_sum((w.t(),), {"dim": 0, "dtype": torch.bfloat16}) is None  # only float32 results
+    assert R._sliced_int_sum((w.float(),), {"dim": 0, "dtype": torch.float32}) is None  # only int8 inputs
+    big_k = torch.zeros(2, 70_000, dtype=torch.int8)  # partial sums could exceed 2**24: left to torch
+    assert R._sliced_int_sum((big_k,), {"dim": 1, "dtype": torch.float32}) is None

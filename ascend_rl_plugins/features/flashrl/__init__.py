@@ -1,4 +1,4 @@
-"""FlashRL: INT8 (W8A8) rollout with online quantization of every weight update.
+"""FlashRL: INT8 / FP8 (W8A8) rollout with online quantization of every weight update.
 
 Why these patches exist: seeds 000/001 run RL rollouts in INT8 with FlashRL
 (``flash-llm-rl``), which is CUDA-bound, edits ``usercustomize.py``, replaces
@@ -28,9 +28,10 @@ log = logging.getLogger("ascend_rl_plugins.flashrl")
 
 CONFIG = flags.define(
     "ASCEND_RL_FLASHRL", "str", "",
-    "FlashRL rollout: a config file written by `ascend-rl flashrl setup` (rank r uses config r mod n), "
-    "or the preset 'bf16'; empty = off. 'int8' needs a config file (it names the W8A8 checkpoint); "
-    "'fp8' is not implemented.",
+    "FlashRL rollout: a config file written by `ascend-rl flashrl setup` (rank r uses config r mod n; "
+    "fn int8* or fp8_channel/fp8_tensor), or the preset 'bf16'; empty = off. 'int8' and 'fp8' need a config "
+    "file (it names the W8A8 checkpoint); an FP8 config on a platform that cannot serve FP8 W8A8 (vLLM CPU) "
+    "fails at engine start naming what is supported.",
     aliases=("FLASHRL_CONFIG",), feature="flashrl")
 LOGGING_LEVEL = flags.define(
     "ASCEND_RL_FLASHRL_LOGGING_LEVEL", "enum", "info",
@@ -42,10 +43,12 @@ LMHEAD_FP32 = flags.define(
     "importance sampling lose no precision.",
     aliases=("FLASHRL_LMHEAD_FP32",), feature="flashrl")
 
-FEATURE = Feature("flashrl", "INT8 W8A8 rollout with online-quantized weight reload (FlashRL)", flag=CONFIG,
+FEATURE = Feature("flashrl", "INT8/FP8 W8A8 rollout with online-quantized weight reload (FlashRL)", flag=CONFIG,
                   replaces="seeds 000/001 (flash-llm-rl: flashrl profile/setup, FLASHRL_CONFIG)",
                   verified="runtime on CPU: vLLM 0.23 real oneDNN int8 kernel; vLLM 0.13 with a torch double "
-                           "of the oneDNN int8 ops missing from its CPU wheel; vLLM-Ascend static only",
+                           "of the oneDNN int8 ops missing from its CPU wheel; FP8 on vLLM 0.23 with its "
+                           "capability check doubled; verl 0.9.1's real bucketed update path on vLLM 0.23; "
+                           "vLLM-Ascend static only",
                   stacks="recipe, current")
 
 INDEX_ENV = "_ASCEND_RL_FLASHRL_INDEX"  # the selected config, passed from the engine to its workers
@@ -95,12 +98,21 @@ def _flashrl_engine_args(instance, args, kwargs):
     _selected.clear()
     os.environ.pop(INDEX_ENV, None)
     _, cfg = active_config(tp * pp)
-    if cfg.is_int8 and cfg.model and os.path.abspath(str(instance.model)) != os.path.abspath(cfg.model):
+    if cfg.is_fp8:
+        from .config import ConfigError
+        from .fp8_support import fp8_support
+        from .profile import FP8_FNS
+        ok, why = fp8_support(FP8_FNS[cfg.fn])
+        if not ok:
+            raise ConfigError(f"{CONFIG.name}={CONFIG.value} selects fn={cfg.fn!r} (FP8 W8A8 rollout), which this "
+                              f"platform cannot serve: {why}. Supported here: int8 configs (`ascend-rl flashrl "
+                              f"setup -m W8A8 -p PROFILE --fn int8`) and bf16.")
+    if cfg.is_quantized and cfg.model and os.path.abspath(str(instance.model)) != os.path.abspath(cfg.model):
         log.info("flashrl: serving %s (W8A8) instead of %s", cfg.model, instance.model)
         if getattr(instance, "tokenizer", None) in (None, ""):
             instance.tokenizer = instance.model
         instance.model = cfg.model
-    if cfg.is_int8 and cfg.load_format:
+    if cfg.is_quantized and cfg.load_format:
         instance.load_format = cfg.load_format
     return None
 
@@ -139,6 +151,19 @@ def _flashrl_lmhead_apply(wrapped, instance, args, kwargs):
     return lmhead_fp32_apply(wrapped, args, kwargs)
 
 
+@FEATURE.wrap("verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension.update_weights_from_ipc",
+              dist="verl", versions=">=0.9,<0.10", order=40, params=("self",),
+              reason="verl 0.9 sends each update in buckets (one model.load_weights call per bucket; a fused layer "
+                     "can be split between two) and then runs process_weights_after_loading over the whole model; "
+                     "one flashrl update session spans the buckets, and that final call finishes the session "
+                     "instead of post-processing already processed layers a second time",
+              replaces="FlashRL's hook on verl's sharding manager (verl 0.6 calls load_weights once per update)",
+              remove_when="verl drives vLLM's layerwise reload and vLLM quantizes BF16 updates for W8A8 layers")
+def _flashrl_verl_update_session(wrapped, instance, args, kwargs):
+    from .hooks import verl_update_session
+    return verl_update_session(wrapped, instance, args, kwargs)
+
+
 def register_cli(subparsers) -> None:
     """``ascend-rl flashrl {profile,setup,quantize}`` (FlashRL-compatible arguments)."""
     from .cli import register
@@ -150,7 +175,7 @@ def register_cli(subparsers) -> None:
 def _ascend_require_plain_layout(scheme: str):
     def check(instance, args, kwargs):
         from .hooks import ascend_check_layout
-        ascend_check_layout(scheme)
+        ascend_check_layout(scheme, instance)
         return None
     check.__name__ = f"ascend_require_plain_layout_{scheme}"
     return check

@@ -21,6 +21,11 @@ re-derives them from those sources):
   ``utils._should_trans_nz``: 310P -> NZ; else ``ascend_config.weight_nz_mode``
   (``additional_config["weight_nz_mode"]``, else env ``VLLM_ASCEND_ENABLE_NZ``, default 1)
   non-zero -> NZ for int8. Fused MoE W8A8: NZ unconditionally.
+* 0.23 ``methods/w8a8fp8_dynamic.py AscendW8A8FP8DynamicLinearMethod`` (compressed-tensors
+  FP8 W8A8, ``W8A8FP8_DYNAMIC``) inherits the dynamic method's post-processing, which casts
+  to NZ only ``if self.act_quant_type == torch.int8``; its activations are
+  ``float8_e4m3fn``, so its weights stay transposed ND whatever the NZ setting. 0.13 has
+  no FP8 W8A8 scheme.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-SCHEMES = ("static", "dynamic", "moe_dynamic")
+SCHEMES = ("static", "dynamic", "moe_dynamic", "fp8_dynamic")
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,11 @@ def w8a8_layout(vllm_ascend_version: str, scheme: str, *, env: Mapping[str, str]
                          f"known here (0.13, 0.23)")
     if scheme == "moe_dynamic":
         return W8A8Layout(True, True, "fused-MoE W8A8 weights are always cast to NZ")
+    if scheme == "fp8_dynamic":
+        if (major, minor) < (0, 23):
+            raise ValueError(f"vLLM-Ascend {vllm_ascend_version} has no FP8 W8A8 (W8A8FP8_DYNAMIC) scheme")
+        return W8A8Layout(True, False, "FP8 dynamic W8A8 weights are transposed and never cast to NZ "
+                                       "(the NZ cast is guarded by int8 activations)")
     if (major, minor) < (0, 23):
         transposed = not (scheme == "static" and is_310p)
         mode = _env_nz(env)

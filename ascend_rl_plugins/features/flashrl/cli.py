@@ -4,8 +4,9 @@
   turn the BF16 checkpoint into the W8A8 one (written as a safetensors profile).
 * ``setup -m INT8 -p PROFILE --fn int8 -o CONFIG`` / ``setup -a --fn bf16 -o CONFIG``:
   write (or append to) the FlashRL config; rank r uses config r mod n.
-* ``quantize -m BF16 -o INT8 [--profile P] [--scheme dynamic]``: this project's offline
-  W8A8 quantizer (FlashRL has none; it expects an llm-compressor checkpoint).
+* ``quantize -m BF16 -o INT8 [--profile P] [--scheme dynamic] [--fn int8|fp8_channel|fp8_tensor]``:
+  this project's offline W8A8 quantizer (FlashRL has none; it expects an llm-compressor
+  checkpoint).
 
 Only local paths are read; nothing is downloaded and ``usercustomize.py`` is never
 edited (activation is the vLLM plugin entry point plus ``ASCEND_RL_FLASHRL``).
@@ -30,10 +31,8 @@ def _fail(msg: str) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from .config import ConfigError, require_local_dir
     from .profile import ProfileError, derive_profile
-    if args.fn != "int8":
-        return _fail(f"--fn {args.fn}: only int8 profiles are implemented by ascend-rl")
     if not args.model:
-        return _fail("-m/--model (the BF16 checkpoint) is required for --fn int8")
+        return _fail(f"-m/--model (the BF16 checkpoint) is required for --fn {args.fn}")
     try:
         require_local_dir(args.model, "-m/--model")
         require_local_dir(args.quantized, "-q/--quantized")
@@ -42,7 +41,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     prof.save(args.output)
     print(f"flashrl profile written to {args.output}: {len(prof.linears)} linears, scheme={prof.scheme}, "
-          f"reproduces {100 * (prof.exact_fraction or 0):.4f}% of the checkpoint's int8 weights")
+          f"reproduces {100 * (prof.exact_fraction or 0):.4f}% of the checkpoint's quantized weights")
     return 0
 
 
@@ -87,12 +86,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         quantize_checkpoint(args.model, args.output, profile=prof, scheme=args.scheme, fn=args.fn)
     except (ConfigError, ProfileError, FileNotFoundError, ValueError) as exc:
         return _fail(str(exc))
-    print(f"W8A8 ({args.scheme}) checkpoint written to {args.output}")
+    print(f"W8A8 {args.fn} ({args.scheme}) checkpoint written to {args.output}")
     return 0
 
 
 def register(subparsers) -> None:
-    fl = subparsers.add_parser("flashrl", help="FlashRL INT8 rollout: profile, setup, quantize",
+    fl = subparsers.add_parser("flashrl", help="FlashRL INT8/FP8 rollout: profile, setup, quantize",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = fl.add_subparsers(dest="flashrl_command", required=True)
 
@@ -100,7 +99,8 @@ def register(subparsers) -> None:
     p.add_argument("-m", "--model", default=None, help="local BF16 checkpoint directory")
     p.add_argument("-q", "--quantized", required=True, help="local W8A8 checkpoint directory made from it")
     p.add_argument("-o", "--output", required=True, help="profile file to write")
-    p.add_argument("--fn", choices=["fp8", "int8"], default="int8")
+    p.add_argument("--fn", choices=["fp8", "int8", "fp8_channel", "fp8_tensor"], default="int8",
+                   help="format of the quantized checkpoint (fp8 = fp8_channel)")
     p.set_defaults(func=cmd_profile)
 
     s = sub.add_parser("setup", help="write or append a FlashRL rollout config")
@@ -117,5 +117,6 @@ def register(subparsers) -> None:
     q.add_argument("-o", "--output", required=True, help="output directory")
     q.add_argument("-p", "--profile", default=None, help="smoothing factors (a profile file)")
     q.add_argument("--scheme", choices=["dynamic", "static"], default="dynamic")
-    q.add_argument("--fn", choices=["int8", "int8_prune"], default="int8")
+    q.add_argument("--fn", choices=["int8", "int8_prune", "fp8_channel", "fp8_tensor"], default="int8",
+                   help="int8 W8A8, or FP8 E4M3 W8A8 with per-channel / per-tensor weight scales")
     q.set_defaults(func=cmd_quantize)

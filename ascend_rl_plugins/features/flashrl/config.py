@@ -15,9 +15,15 @@ from typing import Any
 FNS = ("int8", "int8_fast", "int8_wo_prune", "int8_prune", "bf16", "fp8", "fp8_vllm", "fp8_fast",
        "fp8_vllm_fast", "fp8_channel", "fp8_tensor")
 INT8_FNS = ("int8", "int8_fast", "int8_wo_prune", "int8_prune")
+FP8_FNS = ("fp8_channel", "fp8_tensor")  # compressed-tensors FP8 W8A8 checkpoints (per-channel / per-tensor)
+# FlashRL's profile-free FP8 (vLLM's own online `quantization="fp8"` on the BF16 model)
+VLLM_FP8_FNS = ("fp8", "fp8_vllm", "fp8_fast", "fp8_vllm_fast")
 PRESETS = ("bf16", "int8", "fp8")
-SUPPORTED_FNS = INT8_FNS + ("bf16",)  # fp8 is not implemented by this project yet
-FN_NEEDS_MODEL = INT8_FNS
+SUPPORTED_FNS = INT8_FNS + FP8_FNS + ("bf16",)
+FN_NEEDS_MODEL = INT8_FNS + FP8_FNS
+FP8_HOWTO = ("write an FP8 W8A8 checkpoint with `ascend-rl flashrl quantize -m BF16 -o FP8 --fn fp8_channel` "
+             "(optionally -p PROFILE), then `ascend-rl flashrl setup -m FP8 [-p PROFILE] --fn fp8_channel -o CONFIG` "
+             "and set ASCEND_RL_FLASHRL=CONFIG")
 
 
 class ConfigError(ValueError):
@@ -38,6 +44,15 @@ class RolloutConfig:
     @property
     def is_int8(self) -> bool:
         return self.fn in INT8_FNS
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fn in FP8_FNS
+
+    @property
+    def is_quantized(self) -> bool:
+        """Serves a W8A8 checkpoint whose updates are quantized online by this project."""
+        return self.fn in INT8_FNS or self.fn in FP8_FNS
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -61,10 +76,12 @@ class RolloutConfig:
             raise ConfigError(f"{where}: fn={self.fn!r} is not a FlashRL quantization function; accepted: "
                               f"{', '.join(FNS)}")
         if self.fn not in SUPPORTED_FNS:
-            raise ConfigError(f"{where}: fn={self.fn!r} (FP8) is not implemented by ascend-rl yet; "
-                              f"supported: {', '.join(SUPPORTED_FNS)}")
+            raise ConfigError(f"{where}: fn={self.fn!r} is FlashRL's profile-free FP8 (vLLM's online "
+                              f"quantization='fp8' of the BF16 model), which ascend-rl does not provide; for FP8 "
+                              f"rollout {FP8_HOWTO}. Supported fn values: {', '.join(SUPPORTED_FNS)}")
         if self.fn in FN_NEEDS_MODEL and not self.model:
-            raise ConfigError(f"{where}: fn={self.fn!r} needs 'model' (the local W8A8 checkpoint directory)")
+            what = "FP8" if self.fn in FP8_FNS else "W8A8"
+            raise ConfigError(f"{where}: fn={self.fn!r} needs 'model' (the local {what} checkpoint directory)")
         if not check_files:
             return
         if self.model:
@@ -102,8 +119,13 @@ def load_configs(value: str) -> list[RolloutConfig]:
     text = value.strip()
     if text.lower() in PRESETS:
         if text.lower() == "fp8":
-            raise ConfigError("ASCEND_RL_FLASHRL=fp8: FP8 rollout is not implemented by ascend-rl yet; "
-                              "use bf16 or an int8 config file")
+            from .fp8_support import fp8_support
+            ok, why = fp8_support("channel")
+            here = (f"this platform can serve FP8 W8A8 ({why})" if ok else
+                    f"this platform cannot serve FP8 W8A8 ({why}); supported here: int8 config files and bf16")
+            raise ConfigError(f"ASCEND_RL_FLASHRL=fp8: FP8 rollout needs an FP8 W8A8 checkpoint (FlashRL's "
+                              f"profile-free preset, vLLM's online quantization='fp8', is not provided): "
+                              f"{FP8_HOWTO}. {here[0].upper() + here[1:]}")
         if text.lower() == "int8":
             raise ConfigError("ASCEND_RL_FLASHRL=int8 needs a W8A8 checkpoint: write a config with "
                               "`ascend-rl flashrl setup -m INT8_DIR -p PROFILE --fn int8 -o CONFIG` and set "

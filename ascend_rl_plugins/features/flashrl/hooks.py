@@ -19,26 +19,42 @@ def _bind(wrapped_params: tuple[str, ...], args, kwargs) -> dict:
 def process_weights_after_loading(wrapped, args, kwargs):
     from . import active_config
     from .profile import Profile
-    from .reload import ReloadState, install, state_of
+    from .reload import BoundedIntSum, ReloadState, install, state_of
 
     b = _bind(("model", "model_config", "target_device"), args, kwargs)
     model = b["model"]
+    state = state_of(model)
+    if state is not None:
+        # Called again after the engine is built: verl 0.9 does it once after the last bucket
+        # of every update. The reload has already post-processed every layer it changed
+        # (running the quant methods again would transpose / prepack processed weights a
+        # second time), so this call only finishes an open update session.
+        if state.update is not None:
+            state.finish_update()
+        else:
+            log.debug("flashrl: process_weights_after_loading on a reloaded model: nothing left to do")
+        return None
     _, cfg = active_config()
-    if not cfg.is_int8 or state_of(model) is not None:
+    if not cfg.is_quantized:
         return wrapped(*args, **kwargs)
     profile = Profile.load(cfg.profile) if cfg.profile else None
     state = ReloadState(model, b.get("model_config"), b.get("target_device"), profile, cfg.fn)
     before = state.record_before()
-    result = wrapped(*args, **kwargs)
+    with BoundedIntSum():  # (exact; bounds vLLM's CPU int8 azp_adj reduction at initial load too)
+        result = wrapped(*args, **kwargs)
     state.record_after(before)
-    n_int8 = sum(r.int8 for r in state.records.values())
-    if n_int8 == 0:
-        from .config import ConfigError
+    quantized = [r for r in state.records.values() if r.quantized]
+    from .config import ConfigError
+    if not quantized:
         raise ConfigError(f"ASCEND_RL_FLASHRL selects fn={cfg.fn!r} with model {cfg.model!r}, but the engine "
-                          f"loaded no INT8 W8A8 linear layer (is the checkpoint compressed-tensors W8A8?)")
-    static = sorted(r.name for r in state.records.values() if r.int8 and "input_scale" in r.specs)
+                          f"loaded no quantized W8A8 linear layer (is the checkpoint compressed-tensors W8A8?)")
+    want = torch.float8_e4m3fn if cfg.is_fp8 else torch.int8
+    wrong = sorted(r.name for r in quantized if r.specs["weight"].dtype != want)
+    if wrong:
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn={cfg.fn!r} ({want}) but {cfg.model!r} holds "
+                          f"{quantized[0].specs['weight'].dtype} weights ({len(wrong)} layers, e.g. {wrong[0]})")
+    static = sorted(r.name for r in quantized if "input_scale" in r.specs)
     if static:
-        from .config import ConfigError
         raise ConfigError(
             f"ASCEND_RL_FLASHRL: {cfg.model!r} uses static (per-tensor input_scale) activations "
             f"({len(static)} layers, e.g. {static[0]}); the online reload supports the dynamic per-token "
@@ -46,9 +62,24 @@ def process_weights_after_loading(wrapped, args, kwargs):
             f"path). Re-quantize with `ascend-rl flashrl quantize --scheme dynamic`.")
     state.check_profile()
     install(model, state)
-    log.info("flashrl: %d INT8 layers ready for online-quantized reload (%d rebuilt through their quant "
-             "method, profile=%s)", n_int8, sum(r.rebuild for r in state.records.values()), cfg.profile)
+    log.info("flashrl: %d %s layers ready for online-quantized reload (%d rebuilt through their quant "
+             "method, profile=%s)", len(quantized), "FP8" if cfg.is_fp8 else "INT8",
+             sum(r.rebuild for r in state.records.values()), cfg.profile)
     return result
+
+
+def verl_update_session(wrapped, instance, args, kwargs):
+    """verl 0.9 ``vLLMColocateWorkerExtension.update_weights_from_ipc``: one flashrl update
+    session around the whole bucketed transfer (see :func:`.reload.update_session`)."""
+    from .reload import update_session
+    models = []
+    try:
+        models = list(instance._iter_all_models())
+    except Exception:  # noqa: BLE001  (older layouts: the runner's model only)
+        model = getattr(getattr(instance, "model_runner", None), "model", None)
+        models = [model] if model is not None else []
+    with update_session(*models):
+        return wrapped(*args, **kwargs)
 
 
 _LMHEAD_PARAMS = None
@@ -89,13 +120,17 @@ def lmhead_fp32_apply(wrapped, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def ascend_check_layout(scheme: str) -> None:
-    """On vLLM-Ascend with an int8 FlashRL config: refuse layouts the reload cannot reuse."""
+def ascend_check_layout(scheme: str, instance=None) -> None:
+    """On vLLM-Ascend with a W8A8 FlashRL config: refuse layouts the reload cannot reuse.
+    (The FP8 dynamic method inherits the int8 dynamic method's post-processing; it is told
+    apart by its activation dtype.)"""
     from . import active_config
     from .ascend_layout import require_reloadable, w8a8_layout
     _, cfg = active_config()
-    if not cfg.is_int8:
+    if not cfg.is_quantized:
         return
+    if scheme == "dynamic" and getattr(instance, "act_quant_type", torch.int8) == torch.float8_e4m3fn:
+        scheme = "fp8_dynamic"
     from importlib.metadata import version
     va_version = version("vllm-ascend")
     additional: dict = {}

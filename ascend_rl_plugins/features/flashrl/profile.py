@@ -30,6 +30,17 @@ log = logging.getLogger("ascend_rl_plugins.flashrl")
 PROFILE_FORMAT = "ascend-rl-flashrl-profile"
 PROFILE_VERSION = "1"
 INT8_FNS = ("int8", "int8_fast", "int8_wo_prune", "int8_prune")
+FP8_FNS = {"fp8_channel": "channel", "fp8_tensor": "tensor"}  # fn -> compressed-tensors weight strategy
+
+
+def weight_format(fn: str) -> tuple[torch.dtype, str]:
+    """(quantized dtype, weight strategy) of a quantization function name."""
+    if fn in FP8_FNS:
+        return torch.float8_e4m3fn, FP8_FNS[fn]
+    if fn in INT8_FNS:
+        return torch.int8, "channel"
+    raise ProfileError(f"quantization function {fn!r} has no weight format here; implemented: "
+                       f"{', '.join(INT8_FNS + tuple(FP8_FNS))}")
 
 # Llama/Qwen dense decoder naming (HF). Which linears read each norm's output, and where
 # down_proj's input smoothing is folded.
@@ -181,11 +192,15 @@ class OnlineQuantizer:
         self.is_quantized = is_quantized or (lambda name, shape: name in linears if linears
                                              else is_quantizable_linear(name, shape))
         self.prune = self.fn == "int8_prune"
+        self.dtype, self.strategy = weight_format(self.fn)
         self._dead: dict[str, torch.Tensor] = {}  # norm -> dead-column mask so far
         self._seen: dict[str, set[str]] = {}  # norm -> consumers seen
         self._held: dict[str, torch.Tensor] = {}  # norms waiting for their consumers (prune)
 
     def quantize_linear(self, name: str, weight: torch.Tensor, out=None, scale_out=None):
+        if self.dtype == torch.float8_e4m3fn:
+            return quant.quantize_fp8_rows(weight, self.profile.col_smooth.get(name), self.profile.row_gain.get(name),
+                                           strategy=self.strategy, out=out, scale_out=scale_out)
         return quant.quantize_int8_rows(weight, self.profile.col_smooth.get(name),
                                         self.profile.row_gain.get(name), out=out, scale_out=scale_out)
 
@@ -198,12 +213,14 @@ class OnlineQuantizer:
         if self.is_quantized(name, tuple(tensor.shape)):
             q, s = self.quantize_linear(name, tensor)
             base = name[: -len(".weight")]
+            dead = quant.dead_input_columns([q]) if self.prune else None
             yield name, q
+            del q  # consumed: do not hold the shard while the engine post-processes the layer
             if self.profile.scheme == "static" and base in self.profile.input_scales:
                 yield base + ".input_scale", self.profile.input_scales[base]
             yield base + ".weight_scale", s  # last: the engine-side reload treats it as "shard done"
             if self.prune:
-                yield from self._note_consumer(name, q)
+                yield from self._note_consumer(name, dead)
             return
         if name in self.profile.col_smooth and name.endswith("norm.weight"):
             tensor = quant.smooth_norm(tensor, self.profile.col_smooth[name])
@@ -213,11 +230,12 @@ class OnlineQuantizer:
             return
         yield name, tensor
 
-    def _note_consumer(self, linear: str, q: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def _note_consumer(self, linear: str, dead: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Record ``linear``'s dead input columns (mask) for its norm; release the norm when
+        all its consumers have been seen."""
         norm = norm_of(linear)
         if norm is None:
             return
-        dead = quant.dead_input_columns([q])
         self._dead[norm] = dead if norm not in self._dead else self._dead[norm] & dead
         self._seen.setdefault(norm, set()).add(linear)
         yield from self._release(norm)
@@ -255,15 +273,23 @@ def derive_profile(bf16_dir: str, w8a8_dir: str, fn: str = "int8") -> Profile:
 
     Norm factors are ``norm_bf16 / norm_w8a8``; down_proj's factor is the ratio of
     up_proj's unsmoothed per-row scale (recomputed from BF16) to its stored scale. With
-    power-of-two smoothing (this project's quantizer) both are exact.
+    power-of-two smoothing (this project's quantizer) both are exact. ``fn`` selects the
+    weight format (``int8``; ``fp8`` / ``fp8_channel``: per-channel FP8; ``fp8_tensor``:
+    per-tensor FP8, whose single scale cannot carry down_proj's per-row factors -- the
+    reported exact fraction shows what the profile reproduces).
     """
+    if fn == "fp8":
+        fn = "fp8_channel"
+    dtype, strategy = weight_format(fn)
     src = read_tensors(bf16_dir)
     dst = read_tensors(w8a8_dir)
     linears = {n: tuple(t.shape) for n, t in src.items()
-               if is_quantizable_linear(n, t.shape) and n in dst and dst[n].dtype == torch.int8}
+               if is_quantizable_linear(n, t.shape) and n in dst and dst[n].dtype == dtype}
     if not linears:
-        raise ProfileError(f"{w8a8_dir} has no int8 linear weights matching {bf16_dir}; is it a W8A8 "
-                           f"(compressed-tensors int-quantized) checkpoint of the same model?")
+        found = sorted({str(dst[n].dtype) for n, t in src.items() if is_quantizable_linear(n, t.shape) and n in dst})
+        raise ProfileError(f"{w8a8_dir} has no {dtype} linear weights matching {bf16_dir} (found {found or 'none'}); "
+                           f"is it a W8A8 compressed-tensors checkpoint of the same model, and does --fn {fn} "
+                           f"match its format?")
     scheme = "static" if any(n[: -len('.weight')] + ".input_scale" in dst for n in linears) else "dynamic"
     norm_smooth: dict[str, torch.Tensor] = {}
     for lin in linears:
@@ -274,11 +300,13 @@ def derive_profile(bf16_dir: str, w8a8_dir: str, fn: str = "int8") -> Profile:
         ok = (a != 0) & (b != 0)
         norm_smooth[norm] = torch.where(ok, a / torch.where(ok, b, torch.ones_like(b)), torch.ones_like(a))
     down_smooth: dict[str, torch.Tensor] = {}
+    probe = OnlineQuantizer(Profile(fn=fn), fn=fn)
     for lin in linears:
         up = gain_source(lin)
-        if up is None or up not in linears:
+        if up is None or up not in linears or strategy != "channel":
             continue
-        _, unsmoothed = quant.quantize_int8_rows(src[up], norm_smooth.get(norm_of(up)))
+        probe.profile.col_smooth = {up: norm_smooth[norm_of(up)]} if norm_of(up) in norm_smooth else {}
+        _, unsmoothed = probe.quantize_linear(up, src[up])
         stored = dst[up[: -len(".weight")] + ".weight_scale"].float().reshape(-1, 1)
         down_smooth[lin] = (unsmoothed / stored).reshape(-1)
     input_scales = {n[: -len(".weight")]: dst[n[: -len(".weight")] + ".input_scale"].float()
@@ -286,10 +314,13 @@ def derive_profile(bf16_dir: str, w8a8_dir: str, fn: str = "int8") -> Profile:
     p = Profile.from_factors(linears, norm_smooth, down_smooth, fn=fn, scheme=scheme, input_scales=input_scales)
     # How well does the profile reproduce the checkpoint? (1.0 for this project's quantizer.)
     total = same = 0
-    oq = OnlineQuantizer(p, fn="int8")
+    oq = OnlineQuantizer(p, fn=fn)
     for lin in p.linears:
         q, _ = oq.quantize_linear(lin, src[lin])
-        same += int((q == dst[lin]).sum())
+        ref = dst[lin]
+        if dtype == torch.float8_e4m3fn:
+            q, ref = q.view(torch.uint8), ref.view(torch.uint8)
+        same += int((q == ref).sum())
         total += q.numel()
     p.exact_fraction = same / max(1, total)
     return p

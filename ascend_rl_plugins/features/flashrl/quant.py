@@ -1,4 +1,4 @@
-"""INT8 W8A8 quantization math (torch, any device).
+"""INT8 and FP8 W8A8 quantization math (torch, any device).
 
 One function, :func:`quantize_int8_rows`, is used by the offline checkpoint writer, by
 the profile round trip and by the online reload, so the three agree bit for bit.
@@ -18,6 +18,16 @@ The torch path works in row blocks of about ``block_bytes`` of float32, in place
 peak extra memory is one block (at most 16 MiB) whatever the size of the tensor (FlashRL's
 formula materialises several full-size float32 temporaries instead). On CPU a numba
 kernel fuses everything per row (see :mod:`._cpu_kernels`).
+
+FP8 (:func:`quantize_fp8_rows`) follows compressed-tensors FP8 W8A8 ("float-quantized",
+E4M3 ``float8_e4m3fn``, symmetric), as consumed by vLLM's ``CompressedTensorsW8A8Fp8``
+and vLLM-Ascend 0.23's ``W8A8FP8_DYNAMIC``:
+
+    scale   = amax / 448      per output row ("channel", [out, 1]) or per tensor ("tensor", [1])
+    w_fp8   = float8_e4m3fn(clamp(w * s_col * g_row / scale + 0, -448, 448))   (round to nearest even)
+
+(the ``+ 0`` is compressed-tensors' zero point: it turns -0.0 into +0.0, which matters for
+bit identity in E4M3). A zero scale becomes float32 eps, as in compressed-tensors 0.17.
 """
 
 from __future__ import annotations
@@ -96,6 +106,81 @@ def quantize_int8_rows_torch(weight: torch.Tensor, col_smooth: torch.Tensor | No
         out[r0:r1].copy_(b)
         scale_view[r0:r1].copy_(s)
     return out, scale_out
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+FP8_STRATEGIES = ("channel", "tensor")
+
+
+@torch.no_grad()
+def quantize_fp8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
+                      row_gain: torch.Tensor | None = None, *, strategy: str = "channel",
+                      out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                      block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric FP8 E4M3 quantization of a 2-D ``[out, in]`` weight (compressed-tensors layout).
+
+    Returns ``(float8_e4m3fn [out, in], float32 scale)`` -- scale ``[out, 1]`` for
+    ``strategy="channel"``, ``[1]`` for ``"tensor"``. Works in row blocks of about
+    ``block_bytes`` of float32 (two passes for ``"tensor"``: the amax first), so the extra
+    memory is one block whatever the size of the tensor.
+    """
+    if strategy not in FP8_STRATEGIES:
+        raise ValueError(f"strategy must be one of {FP8_STRATEGIES}, got {strategy!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_fp8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    device = weight.device
+    if out is None:
+        out = torch.empty((n, k), dtype=FP8_DTYPE, device=device)
+    elif tuple(out.shape) != (n, k) or out.dtype != FP8_DTYPE:
+        raise ValueError(f"out must be float8_e4m3fn {tuple(weight.shape)}, got {out.dtype} {tuple(out.shape)}")
+    n_scales = n if strategy == "channel" else 1
+    if scale_out is None:
+        scale_out = torch.empty((n, 1) if strategy == "channel" else (1,), dtype=torch.float32, device=device)
+    elif scale_out.numel() != n_scales or scale_out.dtype != torch.float32:
+        raise ValueError(f"scale_out must be float32 with {n_scales} scale(s), got {scale_out.dtype} "
+                         f"{tuple(scale_out.shape)}")
+    col = None if col_smooth is None else col_smooth.to(device=device, dtype=torch.float32).reshape(1, k)
+    gain = None if row_gain is None else row_gain.to(device=device, dtype=torch.float32).reshape(n, 1)
+    rows = _block_rows(k, block_bytes)
+    buf = torch.empty((min(rows, n), k), dtype=torch.float32, device=device)
+    eps = torch.finfo(torch.float32).eps
+
+    def scaled(r0, r1):
+        b = buf[: r1 - r0]
+        b.copy_(weight[r0:r1])
+        if col is not None:
+            b.mul_(col)
+        if gain is not None:
+            b.mul_(gain[r0:r1])
+        return b
+
+    if strategy == "tensor":
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        for r0 in range(0, n, rows):
+            amax = torch.maximum(amax, scaled(r0, min(n, r0 + rows)).abs().amax())
+        s_all = amax / FP8_MAX
+        s_all = torch.where(s_all == 0, torch.full_like(s_all, eps), s_all)
+        scale_out.view(-1).copy_(s_all.reshape(1))
+    scale_view = scale_out.view(-1, 1)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        b = scaled(r0, r1)
+        if strategy == "channel":
+            s = b.abs().amax(dim=1, keepdim=True).div_(FP8_MAX)
+            s = torch.where(s == 0, torch.full_like(s, eps), s)
+            scale_view[r0:r1].copy_(s)
+        else:
+            s = scale_view.reshape(1, 1)
+        b.div_(s).add_(0.0).clamp_(-FP8_MAX, FP8_MAX)
+        out[r0:r1].copy_(b)  # float32 -> float8_e4m3fn: round to nearest even
+    return out, scale_out
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scale`` (scale [out, 1] or [1]; for checks)."""
+    return q.float() * scale.float().reshape(-1, 1)
 
 
 def dequantize_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -7,35 +7,50 @@ weight loaders). Afterwards ``model.load_weights`` of that model instance is wra
 
 * BF16 tensors with HF names are quantized online (:class:`~.profile.OnlineQuantizer`,
   same code as the offline checkpoint writer);
-* a module's checkpoint-layout parameters are re-materialised only while that module is
-  being updated, filled through vLLM's own ``load_weights`` (so sharding, fused
-  q/k/v and gate/up offsets are vLLM's), and post-processed by the module's own quant
-  method;
+* the update is handed to vLLM's own ``load_weights`` in **one call**, as a stream: at
+  the start of the call every quantized module shows its checkpoint-layout ``Parameter``
+  objects (with empty storage), so vLLM's name -> parameter map (built once per call)
+  points at them; a module's storage is allocated when its first tensor passes, filled
+  by vLLM's loaders (sharding, fused q/k/v and gate/up offsets are vLLM's), and the module
+  is post-processed by its own quant method as soon as its last shard has been consumed
+  (the stream is resumed only after vLLM has loaded the previous tensor; a counter on
+  the loaders checks it);
 * the processed tensors are copied into the storage the engine already holds (same data
   pointer, same shape/stride/dtype, or a clear error), the original ``Parameter``
   objects are put back, and the temporary storage is released before the next module.
 
-So the extra memory is one module's worth, not a second model (FlashRL rebuilds every
-parameter first), and whatever the quant method keeps outside parameters (oneDNN
+So the extra memory is about one module's worth, not a second model (FlashRL rebuilds
+every parameter first), and whatever the quant method keeps outside parameters (oneDNN
 handlers on CPU) is rebuilt by the method itself rather than by copying raw storage.
 Unquantized modules (norms, embeddings, lm_head) are loaded in place and their quant
 method's post-processing is re-run when it exists (on CPU it rebuilds oneDNN handlers).
+
+An *update session* (:func:`update_session`; opened by the verl 0.9 hook) spans several
+``load_weights`` calls -- verl 0.9 sends an update in buckets, and a fused layer can be
+split between two of them -- and is finished by the next
+``process_weights_after_loading`` of the model (which verl 0.9 calls once after the last
+bucket) or when the session ends. Without a session every ``load_weights`` call is a
+complete update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .profile import OnlineQuantizer, Profile, ProfileError
 
 log = logging.getLogger("ascend_rl_plugins.flashrl")
 
 _STATE_ATTR = "_ascend_rl_flashrl_reload"
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 class ReloadError(RuntimeError):
@@ -56,8 +71,10 @@ class ModuleRecord:
     module: torch.nn.Module
     specs: dict[str, ParamSpec]
     rebuild: bool  # post-processing replaced/reshaped parameters: reload through fresh params
-    int8: bool  # a W8A8 int8 linear: its BF16 weights are quantized online
+    quantized: bool  # a W8A8 (int8 or fp8) linear: its BF16 weights are quantized online
     shards: tuple[str, ...]  # HF leaf names that make up the module (q_proj, k_proj, v_proj ...)
+    countable: bool = True  # every checkpoint-layout param has a weight_loader we count calls of
+    loads: int = 0  # weight_loader calls into the checkpoint-layout params so far
 
 
 @dataclass
@@ -69,16 +86,133 @@ class _Pending:
     attrs: dict[str, Any] = field(default_factory=dict)  # tensor attributes (not parameters) of the module
     filled: set[str] = field(default_factory=set)  # fresh params initialised from the engine's values
     written: set[str] = field(default_factory=set)  # fresh params the update wrote
+    yielded: int = 0  # tensors of this module handed to vLLM's loader
+    loads_at_open: int = 0
 
 
-def _is_int8_w8a8(module: torch.nn.Module) -> bool:
+def _is_quantized_w8a8(module: torch.nn.Module) -> bool:
     w = module._parameters.get("weight")
-    return w is not None and w.dtype == torch.int8 and "weight_scale" in module._parameters
+    return w is not None and w.dtype in QUANTIZED_DTYPES and "weight_scale" in module._parameters
+
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and a.stride() == b.stride()
             and a.device == b.device)
+
+
+# -- bounded, exact integer reductions inside quant-method post-processing -------------
+
+SUM_SLICE_BYTES = 256 << 10
+
+
+class BoundedIntSum(TorchFunctionMode):
+    """``t.sum(dim, dtype=torch.float32)`` of an int8 matrix, computed in slices.
+
+    vLLM's CPU int8 kernel computes ``azp_adj = weight.sum(dim=0, dtype=float32)`` while
+    post-processing a layer; torch converts the *whole* int8 weight to float32 first (4x
+    the int8 layer) and reduces a transposed view. Here the same reduction runs over
+    slices of the kept dimension, each converted separately (at most
+    :data:`SUM_SLICE_BYTES` of float32 at a time). The result is bit-identical: every
+    partial sum is an integer below 2**24 in magnitude (checked), exact in float32
+    whatever the order of additions. Anything else passes through unchanged.
+    """
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.sum or func is torch.sum:
+            out = _sliced_int_sum(args, kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _sliced_int_sum(args, kwargs):
+    if not args or not isinstance(args[0], torch.Tensor) or kwargs.get("out") is not None:
+        return None
+    x = args[0]
+    if x.dtype not in (torch.int8, torch.uint8) or x.dim() != 2 or kwargs.get("dtype") is not torch.float32:
+        return None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 else False))
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return None
+        dim = dim[0]
+    if not isinstance(dim, int):
+        return None
+    rd = dim % 2
+    od = 1 - rd
+    k = x.shape[rd]
+    if k * 256 >= 2 ** 24 or x.numel() * 4 <= SUM_SLICE_BYTES:
+        return None
+    rows = max(1, SUM_SLICE_BYTES // (4 * k))
+    shape = list(x.shape)
+    shape[rd] = 1
+    result = torch.empty(shape, dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[od], rows):
+        n = min(rows, x.shape[od] - start)
+        torch.sum(x.narrow(od, start, n), dim=rd, keepdim=True, dtype=torch.float32,
+                  out=result.narrow(od, start, n))
+    return result if keepdim else result.squeeze(rd)
+
+
+def _release_kernel_state(module: torch.nn.Module) -> None:
+    """Drop what the previous post-processing attached and the next one rebuilds (CPU: the
+    oneDNN handler of an int8 kernel, the ``cpu_linear`` closure holding the prepacked
+    weight of an unquantized layer), so the old and the new prepacked weights never
+    coexist. No reference is kept: if the quant method's post-processing then fails, the
+    layer cannot be restored (the error says so)."""
+    kernel = getattr(getattr(getattr(module, "quant_method", None), "scheme", None), "kernel", None)
+    if kernel is not None and getattr(kernel, "dnnl_handler", None) is not None:
+        kernel.dnnl_handler = None
+    if "cpu_linear" in vars(module) and vars(module)["cpu_linear"] is not torch.nn.functional.linear:
+        module.cpu_linear = torch.nn.functional.linear
+
+
+def _postprocess(module: torch.nn.Module, quant_method, target_device, layer: str,
+                 timing: dict | None = None, key: str = "postprocess_s") -> None:
+    """The quant method's own post-processing of ``module``, with its previous kernel state
+    released first and int8 reductions bounded (:class:`BoundedIntSum`)."""
+    from vllm.model_executor.model_loader.utils import device_loading_context
+    t0 = time.perf_counter()
+    _release_kernel_state(module)
+    try:
+        # (the label lets the benchmark tell the quant method's own transients from the reload's)
+        with torch.profiler.record_function("flashrl.quant_method_postprocess"), \
+                device_loading_context(module, target_device), BoundedIntSum():
+            quant_method.process_weights_after_loading(module)
+    except Exception as exc:
+        raise ReloadError(f"flashrl reload: the quant method's post-processing of {layer} failed "
+                          f"({type(exc).__name__}: {exc}); its previous kernel state was already released, "
+                          f"so this layer is unusable until a complete reload succeeds") from exc
+    finally:
+        if timing is not None:
+            timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _counting(loader: Callable, rec: ModuleRecord) -> Callable:
+    def weight_loader(*args, **kwargs):
+        rec.loads += 1
+        return loader(*args, **kwargs)
+    weight_loader.__wrapped__ = loader
+    weight_loader._ascend_rl_counts = rec.name
+    return weight_loader
+
+
+def _count_loads(rec: ModuleRecord) -> bool:
+    """Make every checkpoint-layout parameter of ``rec`` count its loader calls (again, if
+    someone replaced the loader since -- verl 0.9 re-assigns MoE expert loaders before each
+    update). False when a parameter has no loader of its own (vLLM then uses its default
+    loader, which cannot be counted)."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    for spec in rec.specs.values():
+        loader = getattr(spec.param, "weight_loader", None)
+        if loader is None or loader is default_weight_loader:
+            return False
+        if getattr(loader, "_ascend_rl_counts", None) != rec.name:
+            spec.param.weight_loader = _counting(loader, rec)
+    return True
 
 
 class ReloadState:
@@ -96,9 +230,15 @@ class ReloadState:
         self.last_quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.keep_quantized = False  # tests: keep what the last reload quantized, for checks
         self.rebuild_all = False  # benchmark baseline: rebuild every layer before processing any
+        self.update: _Update | None = None  # the open update session
+        self.last_stats: dict[str, Any] = {}
         packed = dict(getattr(type(model), "packed_modules_mapping", {}) or {})
         self.shard_to_fused = {s: fused for fused, shards in packed.items() for s in shards}
         self.packed = packed
+        self._names: dict[str, tuple[ModuleRecord | None, str]] = {}
+        # seconds spent by the last update in the quant methods' post-processing and in the
+        # online quantizer (the benchmark's breakdown; a few perf_counter calls per layer)
+        self.timing: dict[str, float] = {}
 
     # -- before/after the engine's own post-processing ---------------------------------
     def record_before(self) -> dict[str, tuple[dict, dict]]:
@@ -109,11 +249,11 @@ class ReloadState:
                     and module._parameters.get("weight") is not None:  # (attention KV-scale methods: no)
                 params = {n: p for n, p in module._parameters.items() if p is not None}
                 layout = {n: (tuple(p.shape), p.stride(), p.dtype, p.data_ptr()) for n, p in params.items()}
-                before[name] = (params, layout, _is_int8_w8a8(module))
+                before[name] = (params, layout, _is_quantized_w8a8(module))
         return before
 
     def record_after(self, before: dict) -> None:
-        for name, (params, layout, int8) in before.items():
+        for name, (params, layout, quantized) in before.items():
             module = self.model.get_submodule(name)
             now = module._parameters
             kept = all(now.get(n) is p and (tuple(p.shape), p.stride(), p.dtype, p.data_ptr()) == layout[n]
@@ -121,7 +261,8 @@ class ReloadState:
             specs = {n: ParamSpec(p, layout[n][0], layout[n][2], p.device) for n, p in params.items()}
             leaf = name.rsplit(".", 1)[-1]
             shards = tuple(self.packed.get(leaf, [leaf]))
-            self.records[name] = ModuleRecord(name, module, specs, rebuild=not kept, int8=int8, shards=shards)
+            rec = ModuleRecord(name, module, specs, rebuild=not kept, quantized=quantized, shards=shards)
+            self.records[name] = rec
             if not kept:
                 in_use = {id(v) for v in now.values() if v is not None}
                 for n, spec in specs.items():
@@ -132,14 +273,22 @@ class ReloadState:
     def module_of(self, hf_name: str) -> tuple[ModuleRecord | None, str]:
         """(record, shard leaf) for an HF tensor name, e.g. ``...q_proj.weight`` ->
         (record of ``...qkv_proj``, ``q_proj``)."""
+        hit = self._names.get(hf_name)
+        if hit is not None:
+            return hit
         base, _, _ = hf_name.rpartition(".")
         parent, _, leaf = base.rpartition(".")
         fused = self.shard_to_fused.get(leaf)
+        hit = None
         if fused is not None:
             rec = self.records.get(f"{parent}.{fused}" if parent else fused)
             if rec is not None:
-                return rec, leaf
-        return self.records.get(base), leaf
+                hit = (rec, leaf)
+        if hit is None:
+            hit = (self.records.get(base), leaf)
+        if len(self._names) < 1 << 20:
+            self._names[hf_name] = hit
+        return hit
 
     def check_profile(self) -> None:
         """Fail at engine start when the profile does not describe this model."""
@@ -147,84 +296,228 @@ class ReloadState:
             return
         for lin in self.profile.linears:
             rec, _ = self.module_of(lin)
-            if rec is None or not rec.int8:
-                raise ProfileError(f"FlashRL profile names {lin}, which is not an INT8 W8A8 linear of the model "
-                                   f"being served ({type(self.model).__name__}); was the profile made from "
+            if rec is None or not rec.quantized:
+                raise ProfileError(f"FlashRL profile names {lin}, which is not a quantized W8A8 linear of the "
+                                   f"model being served ({type(self.model).__name__}); was the profile made from "
                                    f"this checkpoint?")
             shape = self.profile.shapes.get(lin)
             k = rec.specs["weight"].shape[1]
             if shape is not None and shape[1] != k:
                 raise ProfileError(f"FlashRL profile does not fit the model: {lin} has {shape[1]} input "
                                    f"channels in the profile, {k} in the engine")
-            for key in (lin,):
-                v = self.profile.col_smooth.get(key)
-                if v is not None and v.numel() != k:
-                    raise ProfileError(f"FlashRL profile smoothing for {lin} has {v.numel()} entries, the "
-                                       f"engine's layer has {k} input channels")
+            v = self.profile.col_smooth.get(lin)
+            if v is not None and v.numel() != k:
+                raise ProfileError(f"FlashRL profile smoothing for {lin} has {v.numel()} entries, the "
+                                   f"engine's layer has {k} input channels")
+
+    def quantizer(self) -> OnlineQuantizer:
+        def is_quantized(name, shape):
+            return len(shape) == 2 and name.endswith(".weight") and (self.module_of(name)[0] or _NO).quantized
+        q = OnlineQuantizer(self.profile, fn=self.fn, is_quantized=is_quantized)
+        plain, timing = q.quantize_linear, self.timing
+
+        def quantize_linear(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                timing["quantize_s"] = timing.get("quantize_s", 0.0) + time.perf_counter() - t0
+        q.quantize_linear = quantize_linear
+        return q
 
     # -- the reload ----------------------------------------------------------------------
-    def load_weights(self, original, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        quantizer = OnlineQuantizer(
-            self.profile, fn=self.fn,
-            is_quantized=lambda name, shape: len(shape) == 2 and name.endswith(".weight")
-            and (self.module_of(name)[0] or _NO).int8)
-        pending: dict[str, _Pending] = {}
-        dirty_inplace: dict[str, ModuleRecord] = {}
-        loaded: set[str] = set()
-        quantized_log: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        q_weight: dict[str, torch.Tensor] = {}
+    def begin_update(self) -> "_Update":
+        if self.update is not None:
+            raise ReloadError("flashrl reload: an update session is already open for this model")
+        self.update = _Update(self, explicit=True)
+        return self.update
+
+    def finish_update(self) -> None:
+        """Finish the open session (no-op without one): complete fused layers, re-process
+        the unquantized layers that were loaded, raise if a fused layer is incomplete."""
+        upd = self.update
+        if upd is None:
+            return
         try:
-            for name, tensor in quantizer.transform(weights):
-                rec, leaf = self.module_of(name)
-                if rec is None or not rec.rebuild:
-                    loaded |= set(original([(name, tensor)]) or ())
-                    if rec is not None and hasattr(rec.module, "quant_method"):
-                        dirty_inplace[rec.name] = rec
-                    continue
-                p = pending.get(rec.name)
-                if p is None:
-                    p = pending[rec.name] = self._open(rec)
-                loaded |= set(original([(name, tensor)]) or ())
-                p.written.add(name.rpartition(".")[2])
-                if self.keep_quantized and name.endswith(".weight") and tensor.dtype == torch.int8:
-                    q_weight[name] = tensor
-                if self.keep_quantized and name.endswith(".weight_scale") and name[:-6] in q_weight:
-                    quantized_log[name[:-6]] = (q_weight.pop(name[:-6]), tensor)
-                if name.endswith(".weight_scale") or (not rec.int8 and name.endswith(".weight")):
-                    p.seen.add(leaf)
-                    if p.seen >= set(rec.shards) and not self.rebuild_all:
-                        self._close(pending.pop(rec.name))
-            if self.rebuild_all:  # FlashRL's memory profile (benchmark baseline): everything at once
-                for name in [n for n, p in pending.items() if p.seen >= set(p.record.shards)]:
-                    self._close(pending.pop(name))
-            if pending:
-                missing = {n: sorted(set(p.record.shards) - p.seen) for n, p in pending.items()}
-                raise ReloadError(f"flashrl reload: the update ended with fused layers only partly sent "
-                                  f"(missing shards: {missing}); every shard of a fused layer must be sent "
-                                  f"together")
-            for rec in dirty_inplace.values():
-                self._reprocess_inplace(rec)
+            upd.finish()
         except BaseException:
-            for p in pending.values():
-                self._abort(p)
+            upd.abort()
             raise
-        self.reloads += 1
-        if self.keep_quantized:
-            self.last_quantized = quantized_log
+        finally:
+            self.update = None
+
+    def abort_update(self) -> None:
+        upd, self.update = self.update, None
+        if upd is not None:
+            upd.abort()
+
+    def load_weights(self, original, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        upd = self.update
+        implicit = upd is None
+        if implicit:
+            upd = _Update(self, explicit=False)
+        try:
+            loaded = upd.call(original, weights)
+            if implicit:
+                upd.finish()
+        except BaseException:
+            upd.abort()
+            if not implicit:
+                self.update = None
+            raise
         return loaded
 
-    def _open(self, rec: ModuleRecord) -> _Pending:
-        """Put fresh checkpoint-layout parameters on ``rec.module`` for loading.
+    def _reprocess_inplace(self, rec: ModuleRecord) -> None:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        qm = getattr(rec.module, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase) and not rec.quantized:
+            _postprocess(rec.module, qm, self.target_device, rec.name, self.timing, "postprocess_unquantized_s")
 
-        The engine's current objects and storages are remembered: ``live`` maps a name to
-        (object, data) -- data is kept separately because some quant methods (vLLM-Ascend)
-        post-process by assigning ``param.data`` on the very object they loaded into.
+
+class _Update:
+    """One weight update (one ``load_weights`` call, or a session of several)."""
+
+    def __init__(self, state: ReloadState, explicit: bool):
+        state.timing.clear()
+        self.state = state
+        self.explicit = explicit
+        self.quantizer = state.quantizer()
+        self.pending: dict[str, _Pending] = {}
+        self.swapped: dict[str, tuple[dict[str, tuple], list[str]]] = {}
+        self.dirty_inplace: dict[str, ModuleRecord] = {}
+        self.quantized_log: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._q_weight: dict[str, torch.Tensor] = {}
+        self.original = None
+        self.loaded: set[str] = set()
+        self.closed = 0
+        self.calls = 0
+        self.spanned: set[str] = set()  # fused layers left incomplete at the end of a call (sessions)
+
+    # -- parameter objects vLLM's loader sees ---------------------------------------------
+    def _swap_in(self) -> None:
+        """Every rebuilt module shows its checkpoint-layout Parameter objects (empty until
+        the module's first tensor arrives), so the name -> parameter map vLLM builds at the
+        start of ``load_weights`` points at them."""
+        for rec in self.state.records.values():
+            if not rec.rebuild or rec.name in self.swapped or rec.name in self.pending:
+                continue
+            rec.countable = _count_loads(rec)
+            params = rec.module._parameters
+            live = {n: (v, None if v is None else v.data) for n, v in params.items()}
+            absent = [n for n in rec.specs if n not in params]
+            for n, spec in rec.specs.items():
+                params[n] = spec.param
+            self.swapped[rec.name] = (live, absent)
+
+    def _swap_out(self, rec: ModuleRecord) -> None:
+        live, absent = self.swapped.pop(rec.name)
+        params = rec.module._parameters
+        for n, (obj, data) in live.items():
+            if obj is not None and data is not None and obj.data is not data:
+                obj.data = data
+            params[n] = obj
+        for n in absent:
+            params.pop(n, None)
+
+    # -- one call of vLLM's load_weights --------------------------------------------------
+    def call(self, original, weights) -> set[str]:
+        self.original = original
+        self.calls += 1
+        self._swap_in()
+        loaded = set(original(self._stream(weights)) or ())
+        self.loaded |= loaded
+        # the consumer may not ask for more after the last tensor: close what is complete
+        for name in [n for n, p in self.pending.items() if p.seen >= set(p.record.shards)
+                     and not self.state.rebuild_all]:
+            self._close(self.pending.pop(name))
+        if not self.explicit:
+            return loaded
+        self.spanned |= set(self.pending)
+        for name in [n for n in self.swapped if n not in self.pending]:
+            self._swap_out(self.state.records[name])
+        return loaded
+
+    def _quantized(self, weights) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.explicit:  # the session may continue: norms held for pruning wait for finish()
+            for name, tensor in weights:
+                yield from self.quantizer.push(name, tensor)
+        else:
+            yield from self.quantizer.transform(weights)
+
+    def _stream(self, weights) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self.state
+        keep = state.keep_quantized
+        for name, tensor in self._quantized(weights):
+            rec, leaf = state.module_of(name)
+            if rec is None or not rec.rebuild:
+                if rec is not None and hasattr(rec.module, "quant_method"):
+                    self.dirty_inplace[rec.name] = rec
+                yield name, tensor
+                continue
+            p = self.pending.get(rec.name)
+            if p is None:
+                p = self.pending[rec.name] = self._open(rec)
+            if keep:
+                if name.endswith(".weight") and tensor.dtype in QUANTIZED_DTYPES:
+                    self._q_weight[name] = tensor
+                elif name.endswith(".weight_scale") and name[:-6] in self._q_weight:
+                    self.quantized_log[name[:-6]] = (self._q_weight.pop(name[:-6]), tensor)
+            p.yielded += 1
+            yield name, tensor
+            # resumed: vLLM has loaded that tensor
+            del tensor
+            p.written.add(name.rpartition(".")[2])
+            if name.endswith(".weight_scale") or (not rec.quantized and name.endswith(".weight")):
+                p.seen.add(leaf)
+                if p.seen >= set(rec.shards) and not state.rebuild_all:
+                    self._close(self.pending.pop(rec.name))
+
+    def finish(self) -> None:
+        state = self.state
+        if self.explicit:
+            held = list(self.quantizer.flush())
+            if held:
+                if self.original is None:
+                    raise ReloadError("flashrl reload: norms held for pruning but no load_weights call")
+                self.call(self.original, held)
+        if state.rebuild_all:  # FlashRL's memory profile (benchmark baseline): everything at once
+            for name in [n for n, p in self.pending.items() if p.seen >= set(p.record.shards)]:
+                self._close(self.pending.pop(name))
+        if self.pending:
+            missing = {n: sorted(set(p.record.shards) - p.seen) for n, p in self.pending.items()}
+            raise ReloadError(f"flashrl reload: the update ended with fused layers only partly sent "
+                              f"(missing shards: {missing}); every shard of a fused layer must be sent "
+                              f"in the same update")
+        for name in list(self.swapped):
+            self._swap_out(state.records[name])
+        for rec in self.dirty_inplace.values():
+            state._reprocess_inplace(rec)
+        state.reloads += 1
+        state.last_stats = {"closed": self.closed, "inplace": len(self.dirty_inplace), "calls": self.calls,
+                            "session": self.explicit, "spanned": sorted(self.spanned)}
+        if state.keep_quantized:
+            state.last_quantized = self.quantized_log
+
+    def abort(self) -> None:
+        for p in list(self.pending.values()):
+            self._abort(p)
+        self.pending.clear()
+        for name in list(self.swapped):
+            self._swap_out(self.state.records[name])
+
+    # -- one module ----------------------------------------------------------------------
+    def _open(self, rec: ModuleRecord) -> _Pending:
+        """Give ``rec.module``'s checkpoint-layout parameters storage for loading.
+
+        ``live`` maps a name to the engine's (object, data) -- data is kept separately
+        because some quant methods (vLLM-Ascend) post-process by assigning ``param.data``
+        on the very object they loaded into.
         """
         module = rec.module
-        live = {n: (v, None if v is None else v.data) for n, v in module._parameters.items()}
+        live = self.swapped[rec.name][0] if rec.name in self.swapped else \
+            {n: (v, None if v is None else v.data) for n, v in module._parameters.items()}
         attrs = {n: v for n, v in vars(module).items() if isinstance(v, torch.Tensor)
                  and not isinstance(v, torch.nn.Parameter)}
-        kernel = getattr(getattr(getattr(module, "quant_method", None), "scheme", None), "kernel", None)
         saved: dict[str, torch.Tensor] = {}
         filled: set[str] = set()
         for n, spec in rec.specs.items():
@@ -252,25 +545,25 @@ class ReloadState:
                     filled.add(n)
             spec.param.data = fresh
             module._parameters[n] = spec.param
-        if kernel is not None and hasattr(kernel, "dnnl_handler"):
-            attrs["__dnnl_handler__"] = kernel.dnnl_handler  # restored if the update is aborted
-        return _Pending(rec, live, saved=saved, attrs=attrs, filled=filled)
+        return _Pending(rec, live, saved=saved, attrs=attrs, filled=filled, loads_at_open=rec.loads)
 
     def _close(self, p: _Pending) -> None:
         rec, module = p.record, p.record.module
-        missing = sorted(set(rec.specs) - p.filled - p.written)
-        if missing:
-            raise ReloadError(f"flashrl reload: {rec.name}: the update did not provide {missing} and their "
-                              f"values cannot be recovered from the processed layer")
-        quant_method = module.quant_method
-        kernel = getattr(getattr(quant_method, "scheme", None), "kernel", None)
-        if kernel is not None and hasattr(kernel, "dnnl_handler"):
-            kernel.dnnl_handler = None  # release the old prepacked weight before building the new one
-        from vllm.model_executor.model_loader.utils import device_loading_context
-        # (the label lets the benchmark tell the quant method's own transients from the reload's)
-        with torch.profiler.record_function("flashrl.quant_method_postprocess"), \
-                device_loading_context(module, self.target_device):
-            quant_method.process_weights_after_loading(module)
+        try:
+            missing = sorted(set(rec.specs) - p.filled - p.written)
+            if missing:
+                raise ReloadError(f"flashrl reload: {rec.name}: the update did not provide {missing} and their "
+                                  f"values cannot be recovered from the processed layer")
+            if rec.countable and rec.loads - p.loads_at_open < p.yielded:
+                raise ReloadError(f"flashrl reload: {rec.name}: {p.yielded} tensors were handed to the model's "
+                                  f"load_weights but its loaders ran {rec.loads - p.loads_at_open} times before the "
+                                  f"layer was complete; the reload needs a load_weights that consumes the update "
+                                  f"tensor by tensor")
+            _postprocess(module, module.quant_method, self.state.target_device, rec.name, self.state.timing,
+                         "postprocess_quantized_s" if rec.quantized else "postprocess_unquantized_s")
+        except BaseException:
+            self._abort(p)  # the engine's parameter objects and values back (kernel state: see _postprocess)
+            raise
         new = {n: (None if v is None else v.data) for n, v in module._parameters.items()}
         new_attrs = {n: v for n, v in vars(module).items() if isinstance(v, torch.Tensor)
                      and not isinstance(v, torch.nn.Parameter)}
@@ -289,6 +582,10 @@ class ReloadState:
             for n, spec in rec.specs.items():
                 if all(spec.param is not obj for obj, _ in p.live.values()):
                     spec.param.data = torch.empty(0, dtype=spec.dtype, device=spec.device)
+                    if n not in p.live:
+                        module._parameters.pop(n, None)
+            self.swapped.pop(rec.name, None)
+        self.closed += 1
 
     def _abort(self, p: _Pending) -> None:
         module = p.record.module
@@ -298,24 +595,16 @@ class ReloadState:
             if obj is not None and data is not None:
                 obj.data = data
             module._parameters[n] = obj
-        handler = p.attrs.get("__dnnl_handler__")
-        if handler is not None:
-            module.quant_method.scheme.kernel.dnnl_handler = handler
-        for spec in p.record.specs.values():
+        for n, spec in p.record.specs.items():
             if all(spec.param is not obj for obj, _ in p.live.values()):
                 spec.param.data = torch.empty(0, dtype=spec.dtype, device=spec.device)
-
-    def _reprocess_inplace(self, rec: ModuleRecord) -> None:
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-        qm = getattr(rec.module, "quant_method", None)
-        if isinstance(qm, QuantizeMethodBase) and not rec.int8:
-            from vllm.model_executor.model_loader.utils import device_loading_context
-            with device_loading_context(rec.module, self.target_device):
-                qm.process_weights_after_loading(rec.module)
+                if n not in p.live:
+                    module._parameters.pop(n, None)
+        self.swapped.pop(p.record.name, None)
 
 
 class _No:
-    int8 = False
+    quantized = False
 
 
 _NO = _No()
@@ -355,3 +644,32 @@ def install(model: torch.nn.Module, state: ReloadState) -> None:
 
 def state_of(model: torch.nn.Module) -> ReloadState | None:
     return getattr(model, _STATE_ATTR, None)
+
+
+@contextlib.contextmanager
+def update_session(*models: torch.nn.Module):
+    """Treat every ``load_weights`` call on ``models`` inside the block as one update.
+
+    Fused layers may be split across calls; the update is finished by the models'
+    ``process_weights_after_loading`` (vLLM's function, patched by this feature) or when
+    the block ends; an exception aborts it (the engine keeps its previous weights for the
+    layers not yet completed). Models without flashrl reload state are ignored.
+    """
+    states = [s for s in (state_of(m) for m in models) if s is not None]
+    for s in states:
+        s.begin_update()
+    try:
+        yield states
+    except BaseException:
+        for s in states:
+            s.abort_update()
+        raise
+    else:
+        errors = []
+        for s in states:
+            try:
+                s.finish_update()
+            except BaseException as exc:  # noqa: BLE001  (finish every model, then raise)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
