@@ -17,7 +17,8 @@ from sam_oracle import BruteForceGroup  # noqa: E402
 
 from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=None,
+# SAM_HYPOTHESIS_EXAMPLES=3000 for a deeper search than CI affords
+SETTINGS = settings(max_examples=int(os.environ.get("SAM_HYPOTHESIS_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 K = 4
 
@@ -112,6 +113,14 @@ def test_batch_api_matches_sequential(rounds):
             assert drafts[j, : counts[j]].tolist() == want
 
 
+def test_recent_state_follows_a_split_made_by_a_sibling():
+    """Found by hypothesis: a sibling's append split the state holding member 1's last two
+    tokens; the member must follow the string into the clone, or its most-recent bookkeeping
+    goes stale and it drafts from an older occurrence ([0, 1, 0, 1] instead of [0])."""
+    _check_sequence([(0, 0), (1, 1), (1, 0), (1, 1), (0, 1), (0, 0), (1, 0), (1, 1)], 2, 1,
+                    recent_len=2)
+
+
 @SETTINGS
 @given(_ops(2, 2, 60), st.integers(1, 8))
 def test_recent_len_picks_the_most_recent_occurrence_of_the_recent_context(ops, recent_len):
@@ -176,3 +185,46 @@ def test_rejects_bad_input():
     m = pool.new_member(pool.new_automaton())
     with pytest.raises(ValueError, match="token ids"):
         pool.extend_one(m, [-1])
+    with pytest.raises(ValueError, match="tok_off"):
+        pool.ingest(np.array([m]), np.array([1, 2], np.int32), np.array([0, 3]), 2)
+    with pytest.raises(ValueError, match="tok_off"):
+        pool.ingest(np.array([m]), np.array([1, 2], np.int32), np.array([0, 1, 2]), 2)
+    with pytest.raises(ValueError, match="k"):
+        pool.ingest(np.array([m]), np.array([1], np.int32), np.array([0, 1]), -1)
+    with pytest.raises(ValueError, match="reserved_rows"):
+        AutomatonPool(reserved_rows=1)
+    # the pool still works after every refusal
+    assert pool.extend_one(m, [5, 6, 5], k=2) == ([6, 5], 1)
+
+
+def test_rows_never_move_and_memory_follows_the_text():
+    """State, edge and token rows live in reserved address space: they keep their address
+    however long the text grows, and the pool holds only the pages the text filled."""
+    from ascend_rl_plugins.features.sam import automaton as A
+    pool = AutomatonPool()
+    a = pool.new_automaton()
+    m = pool.new_member(a)
+    where = pool.meta[a, [A.M_SP, A.M_EP, A.M_TP]].copy()
+    rng = np.random.default_rng(2)
+    sizes = []
+    for _ in range(6):
+        pool.extend_one(m, rng.integers(0, 300, 5000), k=0)
+        sizes.append(pool.automaton_bytes(a))
+        assert (pool.meta[a, [A.M_SP, A.M_EP, A.M_TP]] == where).all()
+    per_token = [b / ((i + 1) * 5000) for i, b in enumerate(sizes)]
+    assert max(per_token) < 1.2 * min(per_token)  # linear, no doubling steps
+    assert pool.automaton_used_bytes(a) <= pool.automaton_bytes(a) < pool.automaton_used_bytes(a) + 4 * 4096 + 1
+
+
+def test_reserved_rows_cap_stops_learning_not_working():
+    """An automaton whose reserved rows are full keeps counting tokens and drafting from
+    what it learned (the id-limit behaviour), instead of failing the decode step."""
+    pool = AutomatonPool(reserved_rows=64)
+    m = pool.new_member(pool.new_automaton())
+    pool.extend_one(m, [1, 2, 3] * 10, k=0)
+    assert not pool.is_full(0)
+    pool.extend_one(m, list(range(10, 80)), k=0)  # 70 new distinct tokens: > 64 states
+    assert pool.is_full(0)
+    assert pool.members[m, 3] == 100  # B_NTOK: every token counted
+    draft, mlen = pool.extend_one(m, [1, 2], k=3)
+    assert mlen == 0 or draft  # no crash; drafts only from what was learned

@@ -2,15 +2,15 @@
 
 Why this shape: the seed's drafter kept one Python dict per automaton state (~700 bytes
 and ~1.5 GC-tracked objects per token, GC stalls at 32K context) and drafted from the
-*first* occurrence of the matched suffix. Here every automaton is a few rows of shared
-numpy int32/int64 arenas (no per-state or per-token Python object), all requests of a
+*first* occurrence of the matched suffix. Here every automaton is a few flat int32/int64
+tables (no per-state or per-token Python object), all requests of a
 decode step are handled by one jitted call, and drafts continue the *most recent*
 occurrence of the recent context.
 
 One automaton can hold several texts ("members") that grow in any interleaving: it is a
 generalized suffix automaton, so GRPO siblings that share a prompt draft from each
 other's generated text without any history being copied. A member's tokens live once, in
-the automaton's token arena, as a linked list in insertion order (``T[pos] = token,
+the automaton's token rows, as a linked list in insertion order (``T[pos] = token,
 next position of the same member``).
 
 Layout (bytes per token of context on real code text at 32K tokens: ~1.43 states,
@@ -20,11 +20,14 @@ in the state row (A = token, B = target). States with more edges keep them in an
 list (rows TOK, TO, NXT; A = LISTED, B = head); above ``SMALL_DEGREE`` edges they are also
 indexed by a packed open-addressing hash whose 8-byte entries hold key and edge id.
 
-All automata of a pool share four arenas (states, edges, tokens, hash); an automaton owns
-one segment of each, relocated (x1.25, the hash x1.5) when full and returned when it is
-freed, with compaction once holes dominate. A decode step is one jitted call over plain
-numpy arrays through numba's compiled entry point (a typed list of per-automaton arrays
-costs ~8 us per argument just to unbox).
+Memory: each automaton's state, edge and token rows live in address space it reserves up
+front up to the id limit (an anonymous no-reserve mapping: no memory until written), so
+they never move and cost exactly the pages its text has filled; growing by copying made
+one decode step in ~8 take 20-40 us at 2K tokens. Hash segments (small) share one arena
+and grow x1.5 by rehashing inside the decode step; the arena itself is reallocated x2 or
+compacted in Python, rarely. A decode step is one jitted call whose arrays are reached
+through a descriptor of raw addresses (``_ingest_step``), because numba unboxes each
+array argument separately (~0.35 us each).
 
 Which occurrence is drafted from: FIRST (earliest end position) is kept for every state;
 LAST (most recent end position) is kept exact for every state whose shortest string is at
@@ -43,8 +46,12 @@ loop), the draft continues periodically.
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import numpy as np
-from numba import njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 # state columns; EDGE_A >= 0: one edge (token EDGE_A -> state EDGE_B), else a mode below
 LEN, LINK, FIRST, LAST, EDGE_A, EDGE_B = 0, 1, 2, 3, 4, 5
@@ -56,12 +63,11 @@ E_COLS = 3
 # token arena columns
 TTOKEN, TNEXT = 0, 1
 T_COLS = 2
-# automaton meta columns: counts, flags, then (base, capacity) of its segment in each arena
+# automaton meta columns: counts, flags, then (address, rows) of its state, edge and token
+# rows, and (base, capacity) of its segment of the shared hash arena
 M_NS, M_NE, M_NT, M_NH, M_ALIVE, M_MEMBERS, M_FULL = 0, 1, 2, 3, 4, 5, 6
-M_SB, M_SC, M_EB, M_EC, M_TB, M_TC, M_HB, M_HC = 7, 8, 9, 10, 11, 12, 13, 14
+M_SP, M_SR, M_EP, M_ER, M_TP, M_TR, M_HB, M_HC = 7, 8, 9, 10, 11, 12, 13, 14
 META_COLS = 15
-_ARENAS = ("S", "E", "T", "H")
-_BASE_COL = {"S": M_SB, "E": M_EB, "T": M_TB, "H": M_HB}
 # member columns: automaton, its text's state, its last arena position, tokens seen,
 # alive, and the state holding its last min(n, recent_len) tokens (with that length)
 B_AID, B_STATE, B_POS, B_NTOK, B_ALIVE, B_SHORT, B_SHORTLEN = 0, 1, 2, 3, 4, 5, 6
@@ -76,7 +82,35 @@ _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 # columns of the kernel's output rows: draft length, match length, then the draft
 OUT_N, OUT_MATCH, OUT_DRAFT = 0, 1, 2
 # ingest return codes (>= 0: the automaton whose segments must grow)
-DONE, BAD_TOKEN, DEAD_MEMBER = -1, -2, -3
+DONE, BAD_TOKEN, DEAD_MEMBER, BAD_OFFSETS = -1, -2, -3, -4
+
+# The pool's descriptor: one int64 array holding the address and row count of each of its
+# arrays, its settings and the kernel's resume/need slots. A decode step passes it and the
+# step's three input arrays, instead of ten arrays numba would unbox one by one (~0.35 us
+# each on the reference machine, i.e. most of a step's cost at batch 8).
+D_META, D_MEMBERS, D_H, D_OUT = 0, 2, 4, 6  # (address, rows)
+D_OUT_COLS = 8
+D_MIN_MATCH, D_RECENT_LEN, D_FROM_FIRST, D_ADAPTIVE = 9, 10, 11, 12
+D_RESUME = 13  # 3 slots: member, token, hash slots the automaton's segment must grow to
+D_HTOP = 16  # first free slot at the top of the hash arena
+D_HWASTE = 17  # hash arena slots in holes left by moved or freed segments
+D_SIZE = 18
+
+
+@intrinsic
+def _i32_at(typingctx, addr):
+    """An int64 address as an int32 pointer (the pool keeps the array alive)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int32)))
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
+@intrinsic
+def _i64_at(typingctx, addr):
+    """An int64 address as an int64 pointer (the pool keeps the array alive)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+    return types.CPointer(types.int64)(types.int64), codegen
 
 
 @njit(cache=True, inline="always")
@@ -332,34 +366,67 @@ def _extend(S, E, H, meta, a, last, c, pos, need):
 
 
 @njit(cache=True)
-def _ingest_batch(meta, members, SA, EA, TA, HA, member_ids, tok_flat, tok_off, k,
-                  min_match, recent_len, from_first, adaptive, out, resume):
+def _grown_hash_capacity(cap, need):
+    return max(need, cap * 3 // 2)
+
+
+@njit(cache=True)
+def _move_hash(meta, HA, htop, a, need):
+    """Rehash automaton ``a``'s hash segment into a larger one at the top of the hash arena.
+
+    Returns False without writing anything when the arena lacks the room (the pool then
+    compacts or reallocates it and calls again). Done inside the decode step: a round trip
+    to Python costs ~20 us."""
+    cap = meta[a, M_HC]
+    new_cap = _grown_hash_capacity(cap, need)
+    base = htop[0]
+    if base + new_cap > HA.shape[0]:
+        return False
+    meta[a, M_NH] = _rehash_into(HA, meta[a, M_HB], cap, base, new_cap)
+    htop[0] = base + new_cap
+    htop[1] += cap  # the old segment is a hole now
+    meta[a, M_HB] = base
+    meta[a, M_HC] = new_cap
+    return True
+
+
+@njit(cache=True)
+def _ingest_batch(meta, members, HA, member_ids, tok_flat, tok_off, k,
+                  min_match, recent_len, from_first, adaptive, out, resume, htop):
     """Append each member's new tokens, then draft up to ``k`` tokens for it.
 
     member_ids[i]'s new tokens are tok_flat[tok_off[i]:tok_off[i+1]]; its draft goes to
     out[i, OUT_DRAFT:OUT_DRAFT + out[i, OUT_N]] and the matched suffix length to
     out[i, OUT_MATCH] (0: no match).
     k == 0 only ingests. Starts at (member resume[0], token resume[1]). Returns DONE, or
-    BAD_TOKEN / DEAD_MEMBER (resume[0:2] says where), or the automaton whose segments must
-    grow to resume[2:6] rows (states, edges, tokens, hash slots); resume[0:2] then says
-    where to continue.
+    BAD_TOKEN / DEAD_MEMBER / BAD_OFFSETS (resume[0:2] says where), or the automaton whose
+    hash segment must grow to resume[2] slots when the hash arena lacks the room;
+    resume[0:2] then says where to continue.
     """
     need = np.zeros(3, np.int64)
     limit = 1 << TOKEN_BITS
-    for i in range(resume[0], member_ids.shape[0]):
+    b = member_ids.shape[0]
+    if tok_off.shape[0] != b + 1 or out.shape[0] < b or out.shape[1] < OUT_DRAFT + k or k < 0:
+        return BAD_OFFSETS
+    prev = 0
+    for i in range(b + 1):
+        if tok_off[i] < prev or tok_off[i] > tok_flat.shape[0]:
+            return BAD_OFFSETS
+        prev = tok_off[i]
+    for i in range(resume[0], b):
         m = member_ids[i]
         if m < 0 or m >= members.shape[0] or members[m, B_ALIVE] == 0:
             resume[0] = i
             return DEAD_MEMBER
         a = members[m, B_AID]
-        S = SA[meta[a, M_SB]:meta[a, M_SB] + meta[a, M_SC]]
-        E = EA[meta[a, M_EB]:meta[a, M_EB] + meta[a, M_EC]]
-        T = TA[meta[a, M_TB]:meta[a, M_TB] + meta[a, M_TC]]
+        S = carray(_i32_at(meta[a, M_SP]), (meta[a, M_SR], S_COLS))
+        E = carray(_i32_at(meta[a, M_EP]), (meta[a, M_ER], E_COLS))
+        T = carray(_i32_at(meta[a, M_TP]), (meta[a, M_TR], T_COLS))
         H = HA[meta[a, M_HB]:meta[a, M_HB] + meta[a, M_HC]]
-        j0 = tok_off[i] if i != resume[0] else max(tok_off[i], resume[1])
+        j = tok_off[i] if i != resume[0] else max(tok_off[i], resume[1])
         out[i, OUT_N] = 0
         out[i, OUT_MATCH] = 0
-        for j in range(j0, tok_off[i + 1]):
+        while j < tok_off[i + 1]:
             c = tok_flat[j]
             if c < 0 or c >= limit:
                 resume[0] = i
@@ -367,30 +434,30 @@ def _ingest_batch(meta, members, SA, EA, TA, HA, member_ids, tok_flat, tok_off, 
                 return BAD_TOKEN
             if meta[a, M_FULL]:  # at its id limit: keeps counting, stops learning
                 members[m, B_NTOK] += 1
+                j += 1
                 continue
             last = members[m, B_STATE]
             ppos = members[m, B_POS]
             pos = meta[a, M_NT]
             if pos + 1 > T.shape[0]:
-                resume[0] = i
-                resume[1] = j
-                resume[2] = 0
-                resume[3] = 0
-                resume[4] = pos + 1
-                resume[5] = 0
-                return a
-            new_last, match = _extend(S, E, H, meta, a, last, c, pos, need)
+                new_last = np.int64(-2)  # its reserved token rows are full
+                match = np.int64(0)
+            else:
+                new_last, match = _extend(S, E, H, meta, a, last, c, pos, need)
+                if new_last == -1 and (need[0] > S.shape[0] or need[1] > E.shape[0]):
+                    new_last = np.int64(-2)  # its reserved state or edge rows are full
             if new_last == -2:
                 meta[a, M_FULL] = 1
                 members[m, B_NTOK] += 1
+                j += 1
                 continue
-            if new_last < 0:
+            if new_last < 0:  # the hash segment must grow
+                if _move_hash(meta, HA, htop, a, need[2]):
+                    H = HA[meta[a, M_HB]:meta[a, M_HB] + meta[a, M_HC]]
+                    continue  # the same token again
                 resume[0] = i
                 resume[1] = j
-                resume[2] = need[0]
-                resume[3] = need[1]
-                resume[4] = 0
-                resume[5] = need[2]
+                resume[2] = need[2]
                 return a
             meta[a, M_NT] = pos + 1
             T[pos, TTOKEN] = c
@@ -400,9 +467,15 @@ def _ingest_batch(meta, members, SA, EA, TA, HA, member_ids, tok_flat, tok_off, 
             members[m, B_STATE] = new_last
             members[m, B_POS] = pos
             members[m, B_NTOK] += 1
-            # the state holding the last min(n, recent_len) tokens
-            v = _target(S, E, _find(S, E, H, members[m, B_SHORT], c))
-            vlen = members[m, B_SHORTLEN] + 1
+            # the state holding the last min(n, recent_len) tokens. A split since the last
+            # append may have moved that string into a clone (the state's new suffix link):
+            # follow links while the link still holds strings that long.
+            sh = np.int64(members[m, B_SHORT])
+            vlen = members[m, B_SHORTLEN]
+            while S[sh, LINK] >= 0 and S[S[sh, LINK], LEN] >= vlen:
+                sh = np.int64(S[sh, LINK])
+            v = _target(S, E, _find(S, E, H, sh, c))
+            vlen += 1
             if vlen > recent_len:
                 vlen = recent_len
                 if S[S[v, LINK], LEN] >= recent_len:
@@ -440,121 +513,176 @@ def _ingest_batch(meta, members, SA, EA, TA, HA, member_ids, tok_flat, tok_off, 
                         # the text is periodic there, so continue from the source again.
                         p = first if p == pos else T[p, TNEXT]
                 out[i, OUT_N] = n
+            j += 1
+    resume[0] = 0
+    resume[1] = 0
     return DONE
 
 
-_ENTRY = [None]  # compiled entry point of _ingest_batch (see ingest)
-_INIT = {"S": 32, "E": 16, "T": 32, "H": 16}
-_COLS = {"S": S_COLS, "E": E_COLS, "T": T_COLS}
-_USED_COL = {"S": M_NS, "E": M_NE, "T": M_NT}
-_ROW_BYTES = {"S": S_COLS * 4, "E": E_COLS * 4, "T": T_COLS * 4, "H": 8}
+@njit(cache=True)
+def _ingest_step(desc, member_ids, tok_flat, tok_off, k):
+    """``_ingest_batch`` over the arrays the descriptor ``desc`` points at."""
+    meta = carray(_i64_at(desc[D_META]), (desc[D_META + 1], META_COLS))
+    members = carray(_i64_at(desc[D_MEMBERS]), (desc[D_MEMBERS + 1], MEMBER_COLS))
+    HA = carray(_i64_at(desc[D_H]), (desc[D_H + 1],))
+    out = carray(_i32_at(desc[D_OUT]), (desc[D_OUT + 1], desc[D_OUT_COLS]))
+    return _ingest_batch(meta, members, HA, member_ids, tok_flat, tok_off, k,
+                         desc[D_MIN_MATCH], desc[D_RECENT_LEN], desc[D_FROM_FIRST] != 0,
+                         desc[D_ADAPTIVE] != 0, out, desc[D_RESUME:D_RESUME + 3],
+                         desc[D_HTOP:D_HTOP + 2])
+
+
+_ENTRY = [None]  # compiled entry point of _ingest_step (see _step_entry)
+_HASH_INIT = 16
+_PAGE = mmap.PAGESIZE
+# Every automaton reserves address space for rows up to the id limit (~185 MB of address
+# space, no memory): the OS backs a page when it is first written, so rows never move, a
+# segment never grows by copying and an automaton holds only the pages its text filled.
+RESERVED_ROWS = MAX_IDS + 2
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+def _reserve_rows(rows: int, cols: int) -> np.ndarray:
+    """A zero int32 array of ``rows`` x ``cols`` whose pages exist once written."""
+    nbytes = rows * cols * 4
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (AttributeError, OSError, ValueError) as exc:  # no anonymous mmap / no address space
+        raise MemoryError(f"SAM drafter: cannot reserve {nbytes >> 20} MiB of address space for an "
+                          f"automaton ({type(exc).__name__}: {exc}); lower reserved_rows") from exc
+    try:  # 4 KiB pages: a 2 MiB page zeroed inside a decode step would be a spike
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+    return np.frombuffer(mm, np.int32).reshape(rows, cols)
 
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+_ndarray = np.ndarray
+
+
+def _step_entry():
+    """The compiled entry point of ``_ingest_step`` for any-stride 1-d inputs.
+
+    Calling it skips numba's per-call type dispatch; the price is that nothing checks the
+    argument types, so ``ingest`` checks dtype and rank of the inputs itself (layouts and
+    offsets are the kernel's business)."""
+    fn = _ENTRY[0]
+    if fn is None:
+        sig = (types.int64[::1], types.int64[:], types.int32[:], types.int64[:], types.int64)
+        _ingest_step.compile(sig)
+        fn = _ENTRY[0] = _ingest_step.overloads[sig].entry_point
+    return fn
 
 
 def _as_1d(x, dtype):
-    """``x`` as a contiguous 1-d array of ``dtype``; free when it already is one (the
-    compiled entry point does not check layouts, so this must)."""
-    if type(x) is np.ndarray and x.dtype is dtype and x.strides == (dtype.itemsize,):
+    """``x`` as a 1-d array of ``dtype`` (any strides); free when it already is one."""
+    if type(x) is _ndarray and x.dtype is dtype and x.ndim == 1:
         return x
-    return np.ascontiguousarray(x, dtype).reshape(-1)
+    return np.asarray(x, dtype).reshape(-1)
+
+
+def _array_slot(name: str, slot: int, cols_slot: int = -1):
+    """A pool attribute holding a C-contiguous array whose address and shape the descriptor
+    mirrors: every assignment, wherever it happens, refreshes the descriptor."""
+    def get(self):
+        return self.__dict__[name]
+
+    def put(self, arr):
+        arr = np.ascontiguousarray(arr)
+        self.__dict__[name] = arr
+        desc = self._desc
+        desc[slot] = arr.ctypes.data
+        desc[slot + 1] = arr.shape[0]
+        if cols_slot >= 0:
+            desc[cols_slot] = arr.shape[1]
+        self._views.clear()
+    return property(get, put)
 
 
 class AutomatonPool:
-    """Many suffix automata (one per request, or one per sibling group) in shared arenas.
+    """Many suffix automata (one per request, or one per sibling group).
 
     Python objects exist per automaton and per member, never per token or per state.
     ``ingest`` appends tokens to many members and drafts for all of them in one jitted call.
     """
 
+    meta = _array_slot("meta", D_META)
+    members = _array_slot("members", D_MEMBERS)
+    HA = _array_slot("HA", D_H)
+    _out = _array_slot("_out", D_OUT, D_OUT_COLS)
+
     def __init__(self, *, min_match: int = 1, recent_len: int = 32, from_first: bool = False,
-                 adaptive: bool = False):
+                 adaptive: bool = False, reserved_rows: int = RESERVED_ROWS):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")
         if recent_len < 1:
             raise ValueError(f"recent_len must be >= 1, got {recent_len}")
+        if not 2 <= reserved_rows <= RESERVED_ROWS:
+            raise ValueError(f"reserved_rows must be in [2, {RESERVED_ROWS}], got {reserved_rows}")
+        self.reserved_rows = int(reserved_rows)
         self.min_match = int(min_match)
         self.recent_len = int(recent_len)
         self.from_first = bool(from_first)
         self.adaptive = bool(adaptive)
-        self.SA = np.zeros((1024, S_COLS), np.int32)
-        self.EA = np.zeros((1024, E_COLS), np.int32)
-        self.TA = np.zeros((1024, T_COLS), np.int32)
+        self._desc = np.zeros(D_SIZE, np.int64)
+        self._desc[[D_MIN_MATCH, D_RECENT_LEN, D_FROM_FIRST, D_ADAPTIVE]] = (
+            self.min_match, self.recent_len, self.from_first, self.adaptive)
+        self._views: dict = {}
+        self._rows: list = []  # per automaton: its (S, E, T) arrays, kept alive here
         self.HA = np.zeros(1024, np.int64)
-        self._top = {"S": 0, "E": 0, "T": 0, "H": 0}
-        self._waste = {"S": 0, "E": 0, "T": 0, "H": 0}
         self.meta = np.zeros((8, META_COLS), np.int64)
         self.members = np.zeros((8, MEMBER_COLS), np.int64)
         self._free_automata: list[int] = []
         self._free_members: list[int] = []
         self._n_automata = 0
         self._n_members = 0
-        self._resume = np.zeros(6, np.int64)
         self._out = np.zeros((8, OUT_DRAFT + 4), np.int32)
 
-    # -- arenas ---------------------------------------------------------------------------------
-    def _arena(self, kind):
-        return {"S": self.SA, "E": self.EA, "T": self.TA, "H": self.HA}[kind]
-
-    def _set_arena(self, kind, arr):
-        setattr(self, {"S": "SA", "E": "EA", "T": "TA", "H": "HA"}[kind], arr)
-
-    def _reserve(self, kind: str, rows: int) -> int:
-        """Base of ``rows`` fresh rows at the top of an arena (compacting or growing it)."""
-        arena = self._arena(kind)
-        if self._top[kind] + rows > arena.shape[0]:
-            if self._waste[kind] > self._top[kind] // 2:
-                self._compact(kind)
-                arena = self._arena(kind)
-            if self._top[kind] + rows > arena.shape[0]:
-                size = max(self._top[kind] + rows, arena.shape[0] * 3 // 2)
-                new = np.zeros((size,) + arena.shape[1:], arena.dtype)
-                new[: self._top[kind]] = arena[: self._top[kind]]
-                self._set_arena(kind, new)
-        base = self._top[kind]
-        self._top[kind] += rows
+    # -- hash arena -------------------------------------------------------------------------
+    def _reserve_hash(self, slots: int) -> int:
+        """Base of ``slots`` fresh zero slots at the top of the hash arena."""
+        self._make_hash_room(slots)
+        base = int(self._desc[D_HTOP])
+        self._desc[D_HTOP] = base + slots
+        self.HA[base:base + slots] = 0
         return base
 
-    def _compact(self, kind: str) -> None:
-        """Move every live segment of one arena down over the holes."""
-        bcol = _BASE_COL[kind]
+    def _make_hash_room(self, slots: int) -> None:
+        """Ensure ``slots`` free slots at the top of the hash arena: compact it once holes are
+        more than half of it, else reallocate it x2."""
+        top = int(self._desc[D_HTOP])
+        if top + slots <= self.HA.shape[0]:
+            return
+        if self._desc[D_HWASTE] > top // 2:
+            self._compact_hash()
+            top = int(self._desc[D_HTOP])
+        if top + slots > self.HA.shape[0]:
+            new = np.empty(max(top + slots, self.HA.shape[0] * 2), np.int64)
+            new[:top] = self.HA[:top]
+            new[top:] = 0  # touch every page now, not one page fault at a time in a decode step
+            self.HA = new
+
+    def _compact_hash(self) -> None:
+        """Move every live hash segment down over the holes."""
         live = [a for a in range(self._n_automata) if self.meta[a, M_ALIVE]]
-        live.sort(key=lambda a: self.meta[a, bcol])
-        arena = self._arena(kind)
+        live.sort(key=lambda a: self.meta[a, M_HB])
         top = 0
         for a in live:
-            b, cap = int(self.meta[a, bcol]), int(self.meta[a, bcol + 1])
+            b, cap = int(self.meta[a, M_HB]), int(self.meta[a, M_HC])
             if b != top:
-                arena[top:top + cap] = arena[b:b + cap].copy()
-                self.meta[a, bcol] = top
+                self.HA[top:top + cap] = self.HA[b:b + cap].copy()
+                self.meta[a, M_HB] = top
             top += cap
-        self._top[kind] = top
-        self._waste[kind] = 0
+        self._desc[D_HTOP] = top
+        self._desc[D_HWASTE] = 0
 
-    def _grow(self, a: int, states: int, edges: int, tokens: int, hash_slots: int) -> None:
-        for kind, need in (("S", states), ("E", edges), ("T", tokens)):
-            bcol = _BASE_COL[kind]
-            cap = int(self.meta[a, bcol + 1])
-            if need <= cap:
-                continue
-            new_cap = max(need, cap + cap // 4 + 16)
-            base = self._reserve(kind, new_cap)
-            old = int(self.meta[a, bcol])  # after _reserve: compaction may have moved it
-            arena = self._arena(kind)
-            used = int(self.meta[a, _USED_COL[kind]])
-            arena[base:base + used] = arena[old:old + used]
-            self._waste[kind] += cap
-            self.meta[a, bcol] = base
-            self.meta[a, bcol + 1] = new_cap
-        cap = int(self.meta[a, M_HC])
-        if hash_slots > cap:
-            new_cap = max(hash_slots, cap * 3 // 2)
-            base = self._reserve("H", new_cap)
-            self.meta[a, M_NH] = _rehash_into(self.HA, int(self.meta[a, M_HB]), cap, base, new_cap)
-            self._waste["H"] += cap
-            self.meta[a, M_HB] = base
-            self.meta[a, M_HC] = new_cap
+    def _grow_hash(self, a: int, slots: int) -> None:
+        """The kernel stopped because the hash arena itself was too small."""
+        self._make_hash_room(int(_grown_hash_capacity(int(self.meta[a, M_HC]), slots)))
+        moved = _move_hash(self.meta, self.HA, self._desc[D_HTOP:D_HTOP + 2], a, slots)
+        assert moved, "hash arena room was made"
 
     # -- lifecycle -------------------------------------------------------------------------
     def new_automaton(self) -> int:
@@ -566,14 +694,17 @@ class AutomatonPool:
             if a >= self.meta.shape[0]:
                 self.meta = np.concatenate([self.meta, np.zeros_like(self.meta)])
         self.meta[a] = 0
-        for kind in _ARENAS:
-            bcol = _BASE_COL[kind]
-            self.meta[a, bcol] = self._reserve(kind, _INIT[kind])
-            self.meta[a, bcol + 1] = _INIT[kind]
-        hb = int(self.meta[a, M_HB])
-        self.HA[hb:hb + _INIT["H"]] = 0
-        sb = int(self.meta[a, M_SB])
-        self.SA[sb] = (0, -1, -1, -1, NO_EDGES, -1)  # root
+        rows = self.reserved_rows
+        S, E, T = _reserve_rows(rows, S_COLS), _reserve_rows(rows, E_COLS), _reserve_rows(rows, T_COLS)
+        while len(self._rows) <= a:
+            self._rows.append(None)
+        self._rows[a] = (S, E, T)
+        for col, arr in ((M_SP, S), (M_EP, E), (M_TP, T)):
+            self.meta[a, col] = arr.ctypes.data
+            self.meta[a, col + 1] = rows
+        self.meta[a, M_HB] = self._reserve_hash(_HASH_INIT)
+        self.meta[a, M_HC] = _HASH_INIT
+        S[0] = (0, -1, -1, -1, NO_EDGES, -1)  # root
         self.meta[a, M_NS] = 1
         self.meta[a, M_ALIVE] = 1
         return a
@@ -610,13 +741,14 @@ class AutomatonPool:
         for m in np.nonzero((self.members[:, B_ALIVE] == 1) & (self.members[:, B_AID] == a))[0]:
             self.members[m] = (0, 0, -1, 0, 0, 0, 0)
             self._free_members.append(int(m))
-        for kind in _ARENAS:
-            self._waste[kind] += int(self.meta[a, _BASE_COL[kind] + 1])
+        self._desc[D_HWASTE] += int(self.meta[a, M_HC])
         self.meta[a] = 0
+        self._rows[a] = None  # its pages go back to the OS
         self._free_automata.append(a)
         if not self.meta[: self._n_automata, M_ALIVE].any():  # empty pool: start over small
             self.__init__(min_match=self.min_match, recent_len=self.recent_len,
-                          from_first=self.from_first, adaptive=self.adaptive)
+                          from_first=self.from_first, adaptive=self.adaptive,
+                          reserved_rows=self.reserved_rows)
 
     # -- work --------------------------------------------------------------------------------
     def ingest(self, member_ids, tok_flat, tok_off, k: int):
@@ -624,39 +756,55 @@ class AutomatonPool:
 
         ``member_ids[i]`` gets ``tok_flat[tok_off[i]:tok_off[i + 1]]``. The returned arrays
         are views of a buffer the pool reuses: read them before the next call. Bad token
-        ids and released members raise ValueError.
+        ids, released members and inconsistent offsets raise ValueError.
         """
-        member_ids = _as_1d(member_ids, _I64)
-        tok_flat = _as_1d(tok_flat, _I32)
-        tok_off = _as_1d(tok_off, _I64)
-        b = member_ids.shape[0]
+        if not (type(member_ids) is _ndarray and member_ids.dtype is _I64 and member_ids.ndim == 1):
+            member_ids = _as_1d(member_ids, _I64)
+        if not (type(tok_flat) is _ndarray and tok_flat.dtype is _I32 and tok_flat.ndim == 1):
+            tok_flat = _as_1d(tok_flat, _I32)
+        if not (type(tok_off) is _ndarray and tok_off.dtype is _I64 and tok_off.ndim == 1):
+            tok_off = _as_1d(tok_off, _I64)
+        views = self._views.get((member_ids.shape[0], k))
+        if views is None:
+            views = self._make_views(member_ids.shape[0], k)
+        fn = _ENTRY[0] or _step_entry()
+        desc = self._desc
+        while True:
+            a = fn(desc, member_ids, tok_flat, tok_off, k)
+            if a == DONE:
+                return views
+            self._slow_return(a, member_ids, tok_flat, tok_off)
+
+    def _make_views(self, b: int, k: int):
+        if not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"k (draft length) must be an int >= 0, got {k!r}")
+        k = int(k)
         out = self._out
         if out.shape[0] < b or out.shape[1] < OUT_DRAFT + k:
-            out = self._out = np.zeros((max(b, 2 * out.shape[0]), OUT_DRAFT + max(k, out.shape[1] - OUT_DRAFT)),
-                                       np.int32)
-        resume = self._resume
-        resume[0] = resume[1] = 0
-        while True:
-            args = (self.meta, self.members, self.SA, self.EA, self.TA, self.HA, member_ids,
-                    tok_flat, tok_off, k, self.min_match, self.recent_len, self.from_first,
-                    self.adaptive, out, resume)
-            fn = _ENTRY[0]
-            if fn is None:
-                a = _ingest_batch(*args)
-                # every argument's type is fixed above, so later calls can skip numba's
-                # per-call type dispatch (~1 us per argument) and enter the compiled code
-                from numba import typeof
-                _ENTRY[0] = _ingest_batch.overloads[tuple(typeof(x) for x in args)].entry_point
-            else:
-                a = fn(*args)
-            if a == DONE:
-                return out[:b, OUT_DRAFT:OUT_DRAFT + k], out[:b, OUT_N], out[:b, OUT_MATCH]
-            if a == BAD_TOKEN:
-                raise ValueError(f"token ids must be in [0, {1 << TOKEN_BITS}); got "
-                                 f"{int(tok_flat[resume[1]])} for member {int(member_ids[resume[0]])}")
-            if a == DEAD_MEMBER:
-                raise ValueError(f"ingest got a released member id: {int(member_ids[resume[0]])}")
-            self._grow(int(a), int(resume[2]), int(resume[3]), int(resume[4]), int(resume[5]))
+            self._out = np.zeros((max(b, 2 * out.shape[0]), OUT_DRAFT + max(k, out.shape[1] - OUT_DRAFT)),
+                                 np.int32)  # clears the cached views
+            out = self._out
+        if len(self._views) > 256:
+            self._views.clear()
+        views = self._views[(b, k)] = (out[:b, OUT_DRAFT:OUT_DRAFT + k], out[:b, OUT_N],
+                                       out[:b, OUT_MATCH])
+        return views
+
+    def _slow_return(self, a: int, member_ids, tok_flat, tok_off) -> None:
+        """Grow the automaton the kernel stopped at, or raise for bad input."""
+        resume = self._desc[D_RESUME:D_RESUME + 3]
+        if a >= 0:
+            self._grow_hash(int(a), int(resume[2]))
+            return
+        i, j = int(resume[0]), int(resume[1])
+        resume[:] = 0
+        if a == BAD_TOKEN:
+            raise ValueError(f"token ids must be in [0, {1 << TOKEN_BITS}); got "
+                             f"{int(tok_flat[j])} for member {int(member_ids[i])}")
+        if a == DEAD_MEMBER:
+            raise ValueError(f"ingest got a released member id: {int(member_ids[i])}")
+        raise ValueError(f"tok_off must be {member_ids.shape[0] + 1} non-decreasing offsets into "
+                         f"tok_flat (length {tok_flat.shape[0]}), got {tok_off.tolist()[:16]}")
 
     def extend_one(self, member: int, tokens, k: int = 0):
         """Convenience: one member, returns (draft list, match length)."""
@@ -667,25 +815,30 @@ class AutomatonPool:
 
     # -- accounting --------------------------------------------------------------------------
     def automaton_bytes(self, a: int) -> int:
-        """Bytes of the segments this automaton owns (capacity: up to 1.25x what it uses,
-        the hash up to 1.5x)."""
+        """Memory this automaton holds: the pages its state, edge and token rows have
+        filled (rows are written in order, so that is the used rows rounded up to pages)
+        plus its hash segment (up to 1.5x its entries / 0.7)."""
         if not self.meta[a, M_ALIVE]:
             return 0
         m = self.meta[a]
-        return int(sum(m[_BASE_COL[kind] + 1] * _ROW_BYTES[kind] for kind in _ARENAS))
+        pages = sum(-(-int(m[n]) * width * 4 // _PAGE)
+                    for n, width in ((M_NS, S_COLS), (M_NE, E_COLS), (M_NT, T_COLS)))
+        return pages * _PAGE + int(m[M_HC]) * 8
 
     def automaton_used_bytes(self, a: int) -> int:
         """Bytes of rows actually in use (the hash counted at its capacity)."""
         if not self.meta[a, M_ALIVE]:
             return 0
         m = self.meta[a]
-        return int(m[M_NS] * _ROW_BYTES["S"] + m[M_NE] * _ROW_BYTES["E"]
-                   + m[M_NT] * _ROW_BYTES["T"] + m[M_HC] * _ROW_BYTES["H"])
+        return int(m[M_NS] * S_COLS * 4 + m[M_NE] * E_COLS * 4 + m[M_NT] * T_COLS * 4
+                   + m[M_HC] * 8)
 
     def memory_bytes(self) -> int:
-        """Every byte this pool holds in its arrays (arena capacity, holes included)."""
-        return int(self.SA.nbytes + self.EA.nbytes + self.TA.nbytes + self.HA.nbytes
-                   + self.meta.nbytes + self.members.nbytes)
+        """Every byte of memory this pool holds: its automata's filled pages, the hash arena
+        (holes included) and its tables."""
+        rows = sum(self.automaton_bytes(a) - int(self.meta[a, M_HC]) * 8
+                   for a in range(self._n_automata) if self.meta[a, M_ALIVE])
+        return int(rows + self.HA.nbytes + self.meta.nbytes + self.members.nbytes)
 
     def is_full(self, a: int) -> bool:
         """An automaton at its id limit keeps counting tokens but no longer learns them."""
