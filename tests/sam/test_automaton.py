@@ -228,3 +228,18 @@ def test_reserved_rows_cap_stops_learning_not_working():
     assert pool.members[m, 3] == 100  # B_NTOK: every token counted
     draft, mlen = pool.extend_one(m, [1, 2], k=3)
     assert mlen == 0 or draft  # no crash; drafts only from what was learned
+
+
+def test_limited_address_space_reserves_less_instead_of_failing(monkeypatch):
+    from ascend_rl_plugins.features.sam import automaton as A
+    real = A._reserve_rows
+
+    def limited(rows, cols):  # as under `ulimit -v`: big reservations fail
+        if rows > 100_000:
+            raise MemoryError("no address space")
+        return real(rows, cols)
+    monkeypatch.setattr(A, "_reserve_rows", limited)
+    pool = AutomatonPool()
+    m = pool.new_member(pool.new_automaton())
+    assert pool.reserved_rows <= 100_000
+    assert pool.extend_one(m, [1, 2, 3, 1, 2], k=3) == ([3, 1, 2], 2)

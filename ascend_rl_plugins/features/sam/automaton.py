@@ -549,8 +549,8 @@ def _reserve_rows(rows: int, cols: int) -> np.ndarray:
         mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (AttributeError, OSError, ValueError) as exc:  # no anonymous mmap / no address space
-        raise MemoryError(f"SAM drafter: cannot reserve {nbytes >> 20} MiB of address space for an "
-                          f"automaton ({type(exc).__name__}: {exc}); lower reserved_rows") from exc
+        raise MemoryError(f"SAM drafter: cannot reserve {nbytes >> 10} KiB of address space for "
+                          f"an automaton ({type(exc).__name__}: {exc})") from exc
     try:  # 4 KiB pages: a 2 MiB page zeroed inside a decode step would be a spike
         mm.madvise(mmap.MADV_NOHUGEPAGE)
     except (AttributeError, OSError):
@@ -694,8 +694,18 @@ class AutomatonPool:
             if a >= self.meta.shape[0]:
                 self.meta = np.concatenate([self.meta, np.zeros_like(self.meta)])
         self.meta[a] = 0
-        rows = self.reserved_rows
-        S, E, T = _reserve_rows(rows, S_COLS), _reserve_rows(rows, E_COLS), _reserve_rows(rows, T_COLS)
+        while True:
+            rows = self.reserved_rows
+            try:
+                S, E, T = (_reserve_rows(rows, S_COLS), _reserve_rows(rows, E_COLS),
+                           _reserve_rows(rows, T_COLS))
+                break
+            except MemoryError:
+                # address space is limited here (ulimit -v, strict overcommit): reserve less
+                # rather than fail a decode step; such automata stop learning sooner
+                if rows <= 4096:
+                    raise
+                self.reserved_rows = rows // 8
         while len(self._rows) <= a:
             self._rows.append(None)
         self._rows[a] = (S, E, T)
