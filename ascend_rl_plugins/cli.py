@@ -31,12 +31,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         python = python or venv_py
         title = f"ascend-rl doctor: stack {path}"
     rows, conflicts = doctor.diagnose(roots, python, args.do_import)
+    notes = doctor.feature_notes(roots)
     if args.json:
         print(json.dumps({"title": title, "patches": [r.as_dict() for r in rows],
-                          "conflicts": conflicts}, indent=2))
+                          "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes]},
+                         indent=2))
     else:
-        doctor.render(rows, conflicts, title)
-    return 1 if any(r.problem for r in rows) or conflicts else 0
+        doctor.render(rows, conflicts, title, notes=notes)
+    return 1 if any(r.problem for r in rows) or conflicts or any(n.problem for n in notes) else 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:

@@ -158,6 +158,31 @@ def run_import_probe(python: str | None) -> dict[str, dict]:
     raise RuntimeError(f"the --import probe failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+@dataclass
+class FeatureNote:
+    """A feature that cannot do its job on this stack (declared with does_not_apply)."""
+    feature: str
+    why: str
+    enabled: bool
+    problem: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def feature_notes(roots: Sequence[str] | None = None) -> list[FeatureNote]:
+    notes = []
+    for name in sorted(REGISTRY.features):
+        f = REGISTRY.features[name]
+        try:
+            on = f.switched_on()
+        except Exception:  # a bad flag value is reported by validate_all, not here
+            on = False
+        for why in f.inapplicable(roots):
+            notes.append(FeatureNote(name, why, on, on))
+    return notes
+
+
 def diagnose(roots: Sequence[str] | None = None, python: str | None = None,
              with_import: bool = False) -> tuple[list[Row], list[str]]:
     rows = [evaluate(p, roots) for p in REGISTRY.patches.values()]
@@ -177,7 +202,8 @@ def diagnose(roots: Sequence[str] | None = None, python: str | None = None,
     return rows, conflicts
 
 
-def render(rows: list[Row], conflicts: list[str], title: str, stream=None) -> None:
+def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
+           notes: Sequence[FeatureNote] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -199,7 +225,11 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None) -> No
     console.print(table)
     for c in conflicts:
         console.print(f"[red]CONFLICT[/red] {c}")
-    bad = sum(r.problem for r in rows) + len(conflicts)
+    for n in notes:
+        head = ("[red]FEATURE DOES NOT APPLY[/red] (it is switched on)" if n.problem
+                else "feature does not apply here")
+        console.print(f"{head}: {n.feature}: {n.why}", markup=True, highlight=False)
+    bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes)
     will = sum(r.verdict == "will apply" for r in rows)
     console.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")
 

@@ -130,6 +130,27 @@ class Patch:
         return "outside", version, f"{dist} {version} outside supported range {self.versions}"
 
 
+@dataclass(eq=False)
+class NotApplicable:
+    """A stack on which a feature cannot do its job although its patches may resolve
+    (e.g. the upstream code path it hooks is never taken there)."""
+
+    dist: str
+    versions_text: str
+    why: str
+    import_name: str | None = None
+
+    def check(self, roots=None) -> str | None:
+        """The reason, prefixed with the installed version, when it holds; else None."""
+        from . import versions as _versions
+        name = self.import_name or self.dist.replace("-", "_")
+        found = (_versions.installed_version(self.dist, name) if roots is None
+                 else _versions.tree_version(self.dist, roots, name))
+        if found is None or not _versions.in_range(found[1], _versions.parse_specifier(self.versions_text)):
+            return None
+        return f"{found[0]} {found[1]}: {self.why}"
+
+
 class Feature:
     """A named group of patches and flags; a feature module builds one at import."""
 
@@ -142,7 +163,24 @@ class Feature:
         self.verified = verified  # how it is verified here: "runtime on CPU", "static only", ...
         self.stacks = stacks
         self.patches: list[Patch] = []
+        self.not_applicable: list[NotApplicable] = []
         REGISTRY.add_feature(self)
+
+    def does_not_apply(self, *, dist: str, versions: str, why: str, import_name: str | None = None) -> None:
+        """Declare a stack where this feature cannot work; ``doctor`` reports it, and counts it
+        as a problem when the feature is switched on."""
+        from . import versions as _versions
+        _versions.parse_specifier(versions)  # a bad specifier fails at import, not in doctor
+        if not why:
+            raise PatchError(f"feature {self.name}: does_not_apply needs a reason")
+        self.not_applicable.append(NotApplicable(dist, versions, why, import_name))
+
+    def inapplicable(self, roots=None) -> list[str]:
+        """Reasons why this feature does not apply to the stack at ``roots`` (None: installed)."""
+        return [r for r in (n.check(roots) for n in self.not_applicable) if r]
+
+    def switched_on(self) -> bool:
+        return self.flag is not None and bool(self.flag.value)
 
     def __repr__(self) -> str:
         return f"Feature({self.name!r}, {len(self.patches)} patches)"

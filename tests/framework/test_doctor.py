@@ -102,3 +102,40 @@ def test_doctor_treats_created_attributes_as_resolvable(tmp_path):
     r = f.set("textwrap:NoSuchClass.attr", 1, create=True, dist=None, reason="t", remove_when="t",
               name="t_created.missing")
     assert not evaluate(r).resolves
+
+
+def test_doctor_says_when_a_feature_does_not_apply_to_the_stack(tmp_path):
+    # verl 0.9 installed: rollout rebalance's hooks resolve in vLLM but verl never calls them.
+    root = tmp_path / "stack"
+    (root / "verl").mkdir(parents=True)
+    (root / "verl" / "__init__.py").write_text("")
+    (root / "verl-0.9.1.dist-info").mkdir()
+    (root / "verl-0.9.1.dist-info" / "METADATA").write_text("Name: verl\nVersion: 0.9.1\n")
+    (root / "verl-0.9.1.dist-info" / "top_level.txt").write_text("verl\n")
+    quiet = {"ASCEND_RL_DISABLE": "rollout_rebalance.verl_async_server_notice"}
+    proc = _cli("doctor", "--stack", str(root), "--json", env=quiet)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    notes = json.loads(proc.stdout)["features_not_applicable"]
+    assert [(n["feature"], n["problem"]) for n in notes] == [("rollout_rebalance", False)]
+    assert notes[0]["why"].startswith("verl 0.9.1: verl 0.9 rolls out through its async server")
+    # switched on, it is a problem: the user expects rebalanced rollouts and would get none
+    proc = _cli("doctor", "--stack", str(root), env=dict(quiet, ASCEND_RL_ROLLOUT_REBALANCE="1"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FEATURE DOES NOT APPLY" in proc.stdout and "rollout_rebalance" in proc.stdout
+    # verl 0.6 (the recipe's) is fine
+    for f in ("METADATA",):
+        (root / "verl-0.9.1.dist-info" / f).write_text("Name: verl\nVersion: 0.6.1\n")
+    proc = _cli("doctor", "--stack", str(root), "--json", env=dict(quiet, ASCEND_RL_ROLLOUT_REBALANCE="1"))
+    assert json.loads(proc.stdout)["features_not_applicable"] == []
+
+
+def test_does_not_apply_is_checked_at_declaration():
+    from ascend_rl_plugins.patching.core import Feature, PatchError, REGISTRY
+    f = Feature("_doctor_test_feature", "test")
+    try:
+        with pytest.raises(Exception, match="specifier|Invalid"):
+            f.does_not_apply(dist="verl", versions="0.9 or so", why="x")
+        with pytest.raises(PatchError, match="reason"):
+            f.does_not_apply(dist="verl", versions=">=0.9", why="")
+    finally:
+        REGISTRY.features.pop("_doctor_test_feature", None)

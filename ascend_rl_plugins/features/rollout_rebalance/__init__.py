@@ -126,6 +126,14 @@ ASYNC_SERVER_NOTICE = (
     "DP rank. Where it would belong for the server path: README, rollout rebalance, Enabling.")
 
 
+FEATURE.does_not_apply(
+    dist="verl", versions=">=0.9,<0.10",
+    why="verl 0.9 rolls out through its async server (AsyncLLM, engine cores in their own "
+        "processes, DP through vLLM's coordinator), where LLM._run_engine and LLMEngine.step "
+        "never run: verl rollouts are not rebalanced (vLLM's in-process LLM, e.g. in a custom "
+        "trainer, still is). Where it would belong: README, rollout rebalance, Enabling.")
+
+
 def _rebalance_requested() -> bool:
     return bool(ENABLE.value)
 
