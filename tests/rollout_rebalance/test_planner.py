@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 import pickle
 import random
 
@@ -83,13 +85,19 @@ def test_conservation_capacity_and_no_regression(case):
         assert load.kv_blocks_used + sum(m.blocks for m in incoming) <= load.kv_blocks_total
         assert len(load.request_ids) + len(incoming) <= load.max_num_seqs
     # primary objective (queued requests that cannot run) never worse than doing nothing;
-    # a non-empty plan strictly improves the first objective it touches
+    # a non-empty plan strictly improves the objectives in order (waiting, bucket, projected
+    # KV overflow): the first one it changes gets better
     assert result.waiting_after <= result.waiting_before
+    before = (result.waiting_before, result.bucket_before, result.overflow_before)
+    after = (result.waiting_after, result.bucket_after, result.overflow_after)
     if result.migrations:
-        assert (result.waiting_after < result.waiting_before
-                or result.bucket_after < result.bucket_before)
+        assert after < before
     else:
-        assert result.bucket_after == result.bucket_before
+        assert after == before
+    # the projected overflow is what the moved requests really give
+    cfg = config(kv)
+    assert (result.overflow_before, result.overflow_after) == (
+        projected_overflow(loads, [], cfg), projected_overflow(loads, result.migrations, cfg))
     # the predicted bucket is what the moved counts really give
     counts = {rank: len(load.request_ids) for rank, load in by_rank.items()}
     for m in result.migrations:
@@ -97,6 +105,30 @@ def test_conservation_capacity_and_no_regression(case):
         counts[m.dst] += 1
     assert result.bucket_after == max(
         bucket(min(c, by_rank[r].max_num_seqs), LADDER) for r, c in counts.items())
+
+
+def projected_overflow(loads, migrations, cfg):
+    """KV blocks the ranks' running requests lack ``lookahead_steps`` from now (the planner's
+    third objective), recomputed here request by request: running requests grow where they
+    are; a moved request, queued or running, needs its grown size at its destination."""
+    where = {m.request_id: m.dst for m in migrations}
+    by_rank = {load.rank: load for load in loads}
+    demand = {rank: load.kv_blocks_used for rank, load in by_rank.items()}
+    for load in loads:
+        bs = load.block_size
+        for rid, t, w in zip(load.request_ids, load.num_tokens, load.waiting):
+            grown = (int(t) + cfg.lookahead_steps + bs) // bs  # block size of the source
+            if not w:
+                demand[load.rank] += grown - (int(t) + bs) // bs
+            if rid in where:
+                if not w:
+                    demand[load.rank] -= grown
+                demand[where[rid]] += grown
+    total = 0
+    for rank, load in by_rank.items():
+        limit = load.kv_blocks_total - math.ceil(cfg.kv_headroom * load.kv_blocks_total)
+        total += max(demand[rank] - limit, 0)
+    return total
 
 
 @settings(max_examples=150, deadline=None)
@@ -125,7 +157,9 @@ def test_compiled_kernel_equals_its_python_source(case, always):
     cfg = PlannerConfig(graph_sizes=LADDER, kv_migration=kv, kv_always=always,
                         kv_bytes_per_token=4096, link_bytes_per_s=20e9, prefill_tokens_per_s=20000)
     compiled = plan(build(raw), cfg)
-    saved = {name: getattr(P, name) for name in ("_bucket", "_predict", "_assign", "_plan_kernel")}
+    names = ("_bucket", "_predict", "_assign", "_moved_blocks", "_overflow", "_kv_assign",
+             "_plan_kernel")
+    saved = {name: getattr(P, name) for name in names}
     if not hasattr(saved["_plan_kernel"], "py_func"):
         pytest.skip("numba not installed: the planner already runs as Python")
     try:
@@ -201,3 +235,40 @@ def test_bad_config_names_the_argument():
         PlannerConfig(graph_sizes=(0, 8))
     with pytest.raises(ValueError, match="kv_headroom"):
         PlannerConfig(kv_headroom=1.5)
+
+
+def test_rank_about_to_run_out_of_kv_sheds_running_requests_with_kv():
+    """Second pass: rank 0 would outgrow its KV cache within the lookahead (40 running
+    requests x 64 steps); rank 1 has room. The counts already sit in the same bucket, so only
+    the projected KV moves requests: the fewest, cheapest ones that cover the excess, with
+    their KV, and the bucket never rises."""
+    cfg = PlannerConfig(graph_sizes=LADDER, kv_bytes_per_token=4096, link_bytes_per_s=20e9,
+                        prefill_tokens_per_s=20000, kv_headroom=0.0, lookahead_steps=64)
+    big = {f"a{i}": (3000 + i, False) for i in range(40)}
+    small = {f"b{i}": (500, False) for i in range(34)}
+    loads = []
+    for rank, requests, spare in ((0, big, 10), (1, small, 2000)):
+        used = sum((t + 127) // 128 for t, _ in requests.values())
+        loads.append(RankLoad.from_requests(rank, requests, kv_blocks_used=used,
+                                            kv_blocks_total=used + spare, block_size=128,
+                                            max_num_seqs=64))
+    result = plan(loads, cfg)
+    assert (result.waiting_before, result.bucket_before) == (0, 64)
+    assert result.bucket_after == 64 and result.overflow_before > 0
+    assert result.overflow_after == 0
+    assert result.migrations and all(m.src == 0 and m.dst == 1 and m.with_kv
+                                     for m in result.migrations)
+    # the cheapest first, and no more than the excess needs
+    ids = [m.request_id for m in result.migrations]
+    assert ids == [f"a{i}" for i in range(len(ids))]
+    covered = sum((3000 + i + 64 + 128) // 128 for i in range(len(ids) - 1))
+    assert covered < result.overflow_before
+    # with KV migration off, running requests stay (moving them would only re-run prefill)
+    assert not plan(loads, replace(cfg, kv_migration=False)).migrations
+    # without a lookahead nothing is about to overflow
+    assert not plan(loads, replace(cfg, lookahead_steps=0)).migrations
+
+
+def test_bad_lookahead_is_named():
+    with pytest.raises(ValueError, match="lookahead_steps"):
+        PlannerConfig(lookahead_steps=-1)

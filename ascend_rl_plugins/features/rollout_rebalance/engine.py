@@ -644,7 +644,8 @@ class Rollout:
             graph_sizes=settings.graph_sizes, kv_migration=settings.kv != "off",
             kv_always=settings.kv == "on", kv_bytes_per_token=self.adapter.kv_bytes_per_token,
             link_bytes_per_s=settings.link_bytes_per_s,
-            prefill_tokens_per_s=settings.prefill_tokens_per_s)
+            prefill_tokens_per_s=settings.prefill_tokens_per_s,
+            lookahead_steps=settings.interval)  # project KV growth up to the next check
         self.steps = 0
         self.rounds = 0
         self.moved_out = 0

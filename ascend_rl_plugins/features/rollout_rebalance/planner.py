@@ -7,11 +7,20 @@ plan locally, so no rank has to broadcast a decision. Objectives, in strict orde
    a full KV cache) by moving them to ranks with free slots and KV blocks;
 2. minimize the largest graph bucket any rank runs (in a synchronous DP rollout every rank
    steps at the pace of the slowest, and a step's time is set by its padded graph batch);
-3. move as little as possible: the minimum number of requests (every donor sheds exactly its
-   surplus), each the cheapest one to move, where a request's cost is the smaller of sending
-   its KV blocks and re-computing its prefill at the destination;
-4. spread flows: donors and receivers are paired largest-first, which gives at most
-   ``donors + receivers - 1`` flows, so a receiver hears from one or two senders, not many.
+3. no rank preempts while another has room: each rank's running requests are projected
+   ``lookahead_steps`` ahead (each grows one token per step); a rank that would outgrow its
+   KV blocks sends its next running requests, with their KV, to ranks whose running requests
+   leave projected room (a second pass that keeps the waiting count and bucket the first two
+   objectives reached; ``Plan.overflow_before/after`` is the projected shortfall in blocks).
+   Running requests come before a receiver's own queue, as in one scheduler over the group:
+   preempting a running request costs its whole prefill again, while moving its KV costs
+   ~1/50 of that (Qwen3-235B, 20 GB/s vs 8K tokens/s);
+4. move as little as possible: the minimum number of requests (every donor sheds exactly its
+   surplus, or just covers its projected shortfall), each the cheapest one to move, where a
+   request's cost is the smaller of sending its KV blocks and re-computing its prefill at the
+   destination;
+5. spread flows: donors and receivers are paired largest-first, which gives at most
+   ``donors + receivers - 1`` flows per pass, so a receiver hears from one or two senders.
 
 Speed (a round must not stall decoding): ranks gather their loads packed
 (:meth:`RankLoad.pack`: request ids plus the raw bytes of one int64 array), the planner joins
@@ -52,6 +61,8 @@ class PlannerConfig:
     link_bytes_per_s: float = 20e9  # point-to-point bandwidth used for KV transfer
     prefill_tokens_per_s: float = 20000.0  # destination prefill throughput (recompute cost)
     kv_headroom: float = 0.05  # fraction of a receiver's KV blocks kept free after moves
+    lookahead_steps: int = 64  # decode steps the KV projection looks ahead: set it to the
+    # check interval (steps until the next chance to rebalance); 0: no growth projected
 
     def __post_init__(self) -> None:
         sizes = tuple(self.graph_sizes)
@@ -65,6 +76,9 @@ class PlannerConfig:
                 raise ValueError(f"PlannerConfig.{name}={getattr(self, name)!r}: must be > 0")
         if not 0.0 <= self.kv_headroom < 1.0:
             raise ValueError(f"PlannerConfig.kv_headroom={self.kv_headroom!r}: must be in [0, 1)")
+        if not (isinstance(self.lookahead_steps, int) and self.lookahead_steps >= 0):
+            raise ValueError(f"PlannerConfig.lookahead_steps={self.lookahead_steps!r}: must be an "
+                             f"integer >= 0 (decode steps until the next check)")
 
 
 _HEADER = 6  # packed load: rank, kv used, kv total, block size, max_num_seqs, queued count
@@ -159,6 +173,8 @@ class Plan:
     waiting_after: int = 0
     target: int = 0  # the per-rank request count the plan aims at
     total: int = 0  # migrations in the whole plan (``migrations`` may list one rank's share)
+    overflow_before: int = 0  # KV blocks the ranks would lack within the lookahead (summed)
+    overflow_after: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.total or self.migrations)
@@ -226,17 +242,16 @@ def _bucket(count, sizes):
 
 
 @njit(cache=True)
-def _predict(n, max_seqs, stuck, sizes, flows, nflows):
+def _predict(n, max_seqs, stuck, queued, sizes, flows, nflows):
     """(largest bucket, stuck requests) once the first ``nflows`` flows are applied."""
     R = n.shape[0]
     counts = n.copy()
-    shed = np.zeros(R, dtype=np.int64)
+    gone = np.zeros(R, dtype=np.int64)  # queued requests that left each rank
     for f in range(nflows):
         d, rc, first, k = flows[f, 0], flows[f, 1], flows[f, 2], flows[f, 3]
         counts[d] -= k
         counts[rc] += k
-        if first + k > shed[d]:
-            shed[d] = first + k  # queued requests leave a donor first
+        gone[d] += max(min(first + k, queued[d]) - first, 0)  # queued ones come first
     largest = 0
     over = 0
     left = 0
@@ -246,7 +261,7 @@ def _predict(n, max_seqs, stuck, sizes, flows, nflows):
             largest = c
         if counts[r] > max_seqs[r]:
             over += counts[r] - max_seqs[r]
-        left += max(stuck[r] - shed[r], 0)
+        left += max(stuck[r] - gone[r], 0)
     return _bucket(largest, sizes), max(left, over)
 
 
@@ -323,13 +338,124 @@ def _assign(target, allow_partial, n, max_seqs, stuck, free, cum, off, flows):
 
 
 @njit(cache=True)
-def _plan_kernel(flat, lens, sizes, headroom, kv_on, kv_always, kv_bytes_per_token,
+def _moved_blocks(R, queued, pcum, off, flows, nflows):
+    """Projected KV blocks each rank gains and loses by the first ``nflows`` flows: a
+    receiver gains every request (a queued one will run there), a source loses only running
+    ones (its queued requests were not part of its projection)."""
+    got = np.zeros(R, dtype=np.int64)
+    lost = np.zeros(R, dtype=np.int64)
+    for f in range(nflows):
+        d, rc, first, k = flows[f, 0], flows[f, 1], flows[f, 2], flows[f, 3]
+        got[rc] += pcum[off[d] + first + k] - pcum[off[d] + first]
+        q = min(max(queued[d], first), first + k)  # first running index of the flow
+        lost[d] += pcum[off[d] + first + k] - pcum[off[d] + q]
+    return got, lost
+
+
+@njit(cache=True)
+def _overflow(demand, limit, got, lost):
+    """Projected KV blocks the ranks' running requests lack within the lookahead, summed."""
+    total = 0
+    for r in range(demand.shape[0]):
+        left = demand[r] + got[r] - lost[r]
+        if left > limit[r]:
+            total += left - limit[r]
+    return total
+
+
+@njit(cache=True)
+def _kv_assign(nflows, bucket_cap, n, max_seqs, queued, demand, limit, pcum, off, flows):
+    """Second pass, after the count plan (the first ``nflows`` flows): a rank whose running
+    requests, grown by the lookahead, outgrow its KV blocks (it would preempt) sends its next
+    running requests in move order, with their KV, to ranks whose running requests leave
+    projected room — as one scheduler over the group would: no rank preempts while another
+    has room, and running requests come before queued ones (a receiver's own queue may wait
+    longer for the room; the donor keeps its queue, which its projection does not count). A
+    rank that sent in the first pass does not receive, one that received does not send; a
+    receiver never goes above ``bucket_cap`` requests (the bucket the first pass reached),
+    so waiting and bucket stay as the first pass left them. Returns the new flow count."""
+    R = n.shape[0]
+    cnt = n.copy()
+    nxt = queued.copy()  # a donor's next running request in move order
+    sent = np.zeros(R, dtype=np.bool_)
+    recv = np.zeros(R, dtype=np.bool_)
+    for f in range(nflows):
+        d, rc, first, k = flows[f, 0], flows[f, 1], flows[f, 2], flows[f, 3]
+        cnt[d] -= k
+        cnt[rc] += k
+        if first + k > nxt[d]:
+            nxt[d] = first + k
+        sent[d] = True
+        recv[rc] = True
+    got, lost = _moved_blocks(R, queued, pcum, off, flows, nflows)
+    excess = np.zeros(R, dtype=np.int64)
+    spare = np.zeros(R, dtype=np.int64)
+    room = np.zeros(R, dtype=np.int64)
+    nd = 0
+    nr = 0
+    for r in range(R):
+        left = demand[r] + got[r] - lost[r]
+        if not recv[r] and left > limit[r] and nxt[r] < n[r]:
+            excess[r] = left - limit[r]
+            nd += 1
+        elif not sent[r] and left < limit[r]:
+            room[r] = min(bucket_cap, max_seqs[r]) - cnt[r]
+            if room[r] > 0:
+                spare[r] = limit[r] - left
+                nr += 1
+    if nd == 0 or nr == 0:
+        return nflows
+    donors = np.empty(nd, dtype=np.int64)
+    receivers = np.empty(nr, dtype=np.int64)
+    i = 0
+    j = 0
+    for r in range(R):
+        if excess[r] > 0:
+            donors[i] = r
+            i += 1
+        elif spare[r] > 0:
+            receivers[j] = r
+            j += 1
+    donors = donors[np.argsort(-excess[donors], kind="mergesort")]  # stable
+    receivers = receivers[np.argsort(-spare[receivers], kind="mergesort")]
+    r_room = room[receivers]
+    r_spare = spare[receivers]
+    ri = 0
+    for d in donors:
+        if ri >= nr:
+            break
+        left = excess[d]
+        lo = off[d] + nxt[d]
+        end = off[d] + n[d]
+        while left > 0 and lo < end and ri < nr:
+            start = pcum[lo]
+            fit = 0  # the next requests, while the excess lasts and the receiver has room
+            while (fit < r_room[ri] and lo + fit < end and pcum[lo + fit] - start < left
+                   and pcum[lo + fit + 1] - start <= r_spare[ri]):
+                fit += 1
+            if fit > 0:
+                flows[nflows, 0] = d
+                flows[nflows, 1] = receivers[ri]
+                flows[nflows, 2] = lo - off[d]
+                flows[nflows, 3] = fit
+                nflows += 1
+                lo += fit
+                left -= pcum[lo] - start
+                r_room[ri] -= fit
+                r_spare[ri] -= pcum[lo] - start
+            if left > 0 and lo < end:
+                ri += 1  # this receiver is full (slots, or spare blocks for the next request)
+    return nflows
+
+
+@njit(cache=True)
+def _plan_kernel(flat, lens, sizes, headroom, lookahead, kv_on, kv_always, kv_bytes_per_token,
                  per_token_recompute, only_rank, for_rank):
     """The whole plan from the packed loads (``flat``: their int64 arrays concatenated,
     ``lens``: their lengths). Returns (status, bad rank position, bucket before, waiting
-    before, bucket after, waiting after, target, total moves, and per listed migration:
-    source position, source rank, destination rank, index in the source's move order,
-    tokens, blocks, with KV, bytes)."""
+    before, bucket after, waiting after, target, total moves, overflow before, overflow
+    after, and per listed migration: source position, source rank, destination rank, index
+    in the source's move order, tokens, blocks, with KV, bytes)."""
     R = lens.shape[0]
     H = 6
     n = np.empty(R, dtype=np.int64)
@@ -345,7 +471,7 @@ def _plan_kernel(flat, lens, sizes, headroom, kv_on, kv_always, kv_bytes_per_tok
     N = 0
     for r in range(R):
         if lens[r] < H:
-            return _SHORT, r, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, b, e
+            return _SHORT, r, 0, 0, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, b, e
         rank[r] = flat[head]
         used[r] = flat[head + 1]
         total[r] = flat[head + 2]
@@ -354,43 +480,56 @@ def _plan_kernel(flat, lens, sizes, headroom, kv_on, kv_always, kv_bytes_per_tok
         n[r] = lens[r] - H
         queued[r] = min(max(flat[head + 5], 0), n[r])
         if r and rank[r] <= rank[r - 1]:
-            return _UNSORTED, r, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, b, e
+            return _UNSORTED, r, 0, 0, 0, 0, 0, 0, 0, 0, e, e, e, e, e, e, b, e
         head += lens[r]
         N += n[r]
     tokens = np.empty(N, dtype=np.int64)
     blocks = np.empty(N, dtype=np.int64)
-    cum = np.zeros(N + 1, dtype=np.int64)  # cum[j]: KV blocks of flat requests 0..j-1
+    # pcum[j]: projected KV blocks of flat requests 0..j-1, each grown by ``lookahead``
+    # tokens (what it will hold at the next check, wherever it runs)
+    pcum = np.zeros(N + 1, dtype=np.int64)
     off = np.empty(R, dtype=np.int64)
     free = np.empty(R, dtype=np.int64)
     stuck = np.empty(R, dtype=np.int64)
+    demand = np.empty(R, dtype=np.int64)  # projected blocks: used + running requests' growth
+    limit = np.empty(R, dtype=np.int64)  # blocks less the headroom
     head = 0
     j = 0
     for r in range(R):
         off[r] = j
+        grow = 0
         for i in range(n[r]):
             t = flat[head + H + i]
             tokens[j] = t
             blocks[j] = (t + bs[r]) // bs[r]  # incl. the next token's slot
-            cum[j + 1] = cum[j] + blocks[j]
+            p = (t + lookahead + bs[r]) // bs[r]
+            pcum[j + 1] = pcum[j] + p
+            if i >= queued[r]:  # running: it grows (queued ones are not in the projection)
+                grow += p - blocks[j]
             j += 1
         head += lens[r]
         reserve = np.int64(np.ceil(headroom * np.float64(total[r])))
-        free[r] = max(total[r] - used[r] - reserve, 0)
+        limit[r] = total[r] - reserve
+        demand[r] = used[r] + grow
+        free[r] = max(limit[r] - demand[r], 0)  # what the rank can take and still not preempt
         w = queued[r]  # queued requests come first in canonical order
         if w == 0:
             stuck[r] = 0
         else:
             over = max(n[r] - max_seqs[r], 0)
             # queued beyond the slot limit, or queued while the KV cache cannot take any
-            if w > over and blocks[off[r]] > free[r]:
+            if w > over and blocks[off[r]] > total[r] - used[r] - reserve:
                 stuck[r] = w
             else:
                 stuck[r] = min(over, w)
-    flows = np.zeros((2 * R + 1, 4), dtype=np.int64)
-    bucket_before, waiting_before = _predict(n, max_seqs, stuck, sizes, flows, 0)
+    flows = np.zeros((4 * R + 2, 4), dtype=np.int64)
+    zero = np.zeros(R, dtype=np.int64)
+    bucket_before, waiting_before = _predict(n, max_seqs, stuck, queued, sizes, flows, 0)
+    overflow_before = _overflow(demand, limit, zero, zero)
     if R < 2:
         return _OK, 0, bucket_before, waiting_before, bucket_before, waiting_before, 0, 0, \
-            e, e, e, e, e, e, b, e
+            overflow_before, overflow_before, e, e, e, e, e, e, b, e
+    # first pass: the smallest bucket every rank fits under, queues cleared
     most = 0
     for r in range(R):
         most = max(most, max_seqs[r])
@@ -402,24 +541,39 @@ def _plan_kernel(flat, lens, sizes, headroom, kv_on, kv_always, kv_bytes_per_tok
             continue
         if waiting_before == 0 and _bucket(s, sizes) >= bucket_before:
             break  # no smaller bucket is reachable
-        nflows = _assign(s, False, n, max_seqs, stuck, free, cum, off, flows)
+        nflows = _assign(s, False, n, max_seqs, stuck, free, pcum, off, flows)
         if nflows >= 0:
             target = s
             break
     if nflows < 0 and not (waiting_before == 0 and _bucket(most, sizes) >= bucket_before):
-        nflows = _assign(most, False, n, max_seqs, stuck, free, cum, off, flows)
+        nflows = _assign(most, False, n, max_seqs, stuck, free, pcum, off, flows)
         target = most
     if nflows < 0 and waiting_before:
-        nflows = _assign(most, True, n, max_seqs, stuck, free, cum, off, flows)  # un-stick
+        nflows = _assign(most, True, n, max_seqs, stuck, free, pcum, off, flows)  # un-stick
         target = most
+    bucket_after, waiting_after = bucket_before, waiting_before
+    if nflows > 0:
+        bucket_after, waiting_after = _predict(n, max_seqs, stuck, queued, sizes, flows, nflows)
+        if not (waiting_after < waiting_before
+                or (waiting_after == waiting_before and bucket_after < bucket_before)):
+            nflows = 0
+            bucket_after, waiting_after = bucket_before, waiting_before
+    if nflows < 0:
+        nflows = 0
+    if nflows == 0:
+        target = 0
+    # second pass: projected KV, within the bucket and queues the first pass reached
+    cap = bucket_after
+    if nflows == 0 and waiting_before:
+        cap = 0  # queues the first pass could not clear: leave the counts alone
+    if kv_on:  # moving a running request by recompute would only re-run what it saves
+        nflows = _kv_assign(nflows, cap, n, max_seqs, queued, demand, limit, pcum, off, flows)
     if nflows <= 0:
         return _OK, 0, bucket_before, waiting_before, bucket_before, waiting_before, 0, 0, \
-            e, e, e, e, e, e, b, e
-    bucket_after, waiting_after = _predict(n, max_seqs, stuck, sizes, flows, nflows)
-    if not (waiting_after < waiting_before
-            or (waiting_after == waiting_before and bucket_after < bucket_before)):
-        return _OK, 0, bucket_before, waiting_before, bucket_before, waiting_before, 0, 0, \
-            e, e, e, e, e, e, b, e
+            overflow_before, overflow_before, e, e, e, e, e, e, b, e
+    bucket_after, waiting_after = _predict(n, max_seqs, stuck, queued, sizes, flows, nflows)
+    got, lost = _moved_blocks(R, queued, pcum, off, flows, nflows)
+    overflow_after = _overflow(demand, limit, got, lost)
     moves = 0
     listed = 0
     for f in range(nflows):
@@ -456,7 +610,8 @@ def _plan_kernel(flat, lens, sizes, headroom, kv_on, kv_always, kv_bytes_per_tok
                 m_bytes[m] = np.int64(np.float64(blocks[p]) * block_bytes)
             m += 1
     return _OK, 0, bucket_before, waiting_before, bucket_after, waiting_after, target, moves, \
-        src_pos, src, dst, index, m_tokens, m_blocks, m_kv, m_bytes
+        overflow_before, overflow_after, src_pos, src, dst, index, m_tokens, m_blocks, m_kv, \
+        m_bytes
 
 
 _kernel_entry: list = [None, None]  # (unused, compiled entry point)
@@ -508,7 +663,8 @@ def plan(loads: Iterable[RankLoad | Mapping | tuple], config: PlannerConfig | No
             arrays = [np.asarray(a, dtype=_I64).reshape(-1) for a in arrays]
             lens = np.fromiter(map(len, arrays), dtype=_I64, count=len(arrays))
             flat = np.concatenate(arrays)
-        out = _run_kernel(flat, lens, sizes, float(config.kv_headroom), bool(config.kv_migration),
+        out = _run_kernel(flat, lens, sizes, float(config.kv_headroom),
+                          int(config.lookahead_steps), bool(config.kv_migration),
                           bool(config.kv_always), float(config.kv_bytes_per_token), float(ratio),
                           for_rank is not None, -1 if for_rank is None else int(for_rank))
         status, bad = out[0], out[1]
@@ -532,10 +688,11 @@ def plan(loads: Iterable[RankLoad | Mapping | tuple], config: PlannerConfig | No
                          f"num_tokens and waiting "
                          f"differ in length ({len(ids[bad])}, {counts[bad]})")
     (_, _, bucket_before, waiting_before, bucket_after, waiting_after, target, moves,
-     src_pos, src, dst, index, tokens, blocks, kv, nbytes) = out
+     overflow_before, overflow_after, src_pos, src, dst, index, tokens, blocks, kv, nbytes) = out
     result = Plan(bucket_before=int(bucket_before), bucket_after=int(bucket_after),
                   waiting_before=int(waiting_before), waiting_after=int(waiting_after),
-                  target=int(target), total=int(moves))
+                  target=int(target), total=int(moves), overflow_before=int(overflow_before),
+                  overflow_after=int(overflow_after))
     if len(src):
         request_ids = map(str, map(getitem, map(ids.__getitem__, src_pos.tolist()),
                                    index.tolist()))
