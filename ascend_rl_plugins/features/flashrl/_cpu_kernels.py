@@ -1,8 +1,17 @@
-"""numba kernels for the CPU fast path of :mod:`.quant` (same arithmetic, fused).
+"""numba kernels for the CPU fast path of :mod:`.quant` and :mod:`.reload` (same arithmetic, fused).
 
-Each output row is read once (bf16 bits widened to float32 by a shift), scaled, reduced
-to its absolute maximum and rounded while it is still in L1; rows run in parallel. The
-float32 operations and their order are the torch path's, so the results are identical.
+Quantization: each output row is read once (bf16 bits widened to float32 by a shift),
+scaled and reduced to its absolute maximum in the same loop, then rounded while it is
+still in L1. Rows are split into a few contiguous chunks, one scratch row per chunk (no
+allocation per row). The float32 operations and their order are the torch path's
+(``(w * col) * gain``, ``/ scale``, round half to even, clamp), so the results are
+identical. The absolute maximum is taken on the float32 bit patterns with the sign bit
+cleared: for non-NaN values their unsigned order is the float order, and an integer max
+vectorizes where a float max reduction does not (NaNs are skipped, as before).
+
+Exact int8 reductions (:func:`int8_row_sums`): the sum of each row of an int8 matrix, in
+int32, returned as float32 -- identical to torch's float32 sum as long as every partial
+sum stays below 2**24 in magnitude (the caller checks).
 """
 
 from __future__ import annotations
@@ -10,26 +19,22 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 import torch
+from numba import types
+from numba.extending import overload
 
 from .quant import MIN_SCALE, QMAX
 
 
 @nb.njit(inline="always")
-def _quantize_row(f, col, g, out_row, min_amax):
-    k = f.shape[0]
-    qmax = np.float32(127.0)
-    amax = np.float32(0.0)
-    for c in range(k):
-        v = f[c] * col[c] * g
-        f[c] = v
-        a = abs(v)
-        if a > amax:
-            amax = a
+def _finish_row(f, am, out_row, min_amax):
+    """Round the scaled row ``f`` (float32) to int8 with the scale of its |max| bits ``am``."""
+    amax = np.uint32(am).view(np.float32)
     if not amax >= min_amax:
         amax = min_amax
-    s = amax / qmax
+    s = amax / np.float32(QMAX)
+    qmax = np.float32(127.0)
     lo = np.float32(-128.0)
-    for c in range(k):
+    for c in range(f.shape[0]):
         q = np.rint(f[c] / s)
         if q > qmax:
             q = qmax
@@ -39,22 +44,69 @@ def _quantize_row(f, col, g, out_row, min_amax):
     return s
 
 
-@nb.njit(parallel=True, cache=True)
-def _quantize_bf16(bits, col, gain, out, scale, min_amax):
-    n, k = bits.shape
-    for r in nb.prange(n):
-        u = np.empty(k, np.uint32)
-        for c in range(k):
-            u[c] = np.uint32(bits[r, c]) << np.uint32(16)
-        scale[r] = _quantize_row(u.view(np.float32), col, gain[r], out[r], min_amax)
+def _as_float32(x):
+    """A weight element as float32: bf16 bit patterns (uint16) are widened by a shift."""
+
+
+@overload(_as_float32, inline="always")
+def _as_float32_impl(x):
+    if isinstance(x, types.Integer):
+        return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+    return lambda x: np.float32(x)
 
 
 @nb.njit(parallel=True, cache=True)
-def _quantize_f32(w, col, gain, out, scale, min_amax):
+def _quantize_rows(w, col, gain, out, scale, min_amax, chunks):
+    """Quantize the rows of ``w`` (uint16 bf16 bits or float32), a few contiguous chunks of
+    rows per thread with one scratch row each."""
     n, k = w.shape
-    for r in nb.prange(n):
-        f = w[r].copy()
-        scale[r] = _quantize_row(f, col, gain[r], out[r], min_amax)
+    chunks = max(1, min(n, chunks))
+    for ci in nb.prange(chunks):
+        f = np.empty(k, np.float32)
+        for r in range(ci * n // chunks, (ci + 1) * n // chunks):
+            g = gain[r]
+            am = np.uint32(0)
+            for c in range(k):
+                v = _as_float32(w[r, c]) * col[c] * g
+                f[c] = v
+                m = np.float32(v).view(np.uint32) & np.uint32(0x7FFFFFFF)
+                am = max(am, m if m <= np.uint32(0x7F800000) else np.uint32(0))
+            scale[r] = _finish_row(f, am, out[r], min_amax)
+
+
+@nb.njit(parallel=True, cache=True)
+def _row_sums_int8(x, out, chunks):
+    n, k = x.shape
+    chunks = max(1, min(n, chunks))
+    for ci in nb.prange(chunks):
+        for r in range(ci * n // chunks, (ci + 1) * n // chunks):
+            acc = np.int32(0)
+            for c in range(k):
+                acc += np.int32(x[r, c])
+            out[r] = np.float32(acc)
+
+
+# Row chunks per call: a few per numba thread (rows are independent; more chunks than threads
+# is harmless if numba.set_num_threads lowers the count later).
+_CHUNKS = 4 * nb.config.NUMBA_NUM_THREADS
+_MIN_AMAX = np.float32(MIN_SCALE * QMAX)
+_ONES: dict[int, np.ndarray] = {}
+
+
+def _f32_vector(t, size: int) -> np.ndarray:
+    """``t`` as a contiguous float32 numpy vector of ``size`` values (ones when None), without
+    torch ops when it already is one (the profile's factors are): a reload quantizes a few
+    hundred tensors, so per-call overhead counts."""
+    if t is None:
+        v = _ONES.get(size)
+        if v is None:
+            v = _ONES[size] = np.ones(size, np.float32)
+        return v
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.requires_grad:
+        t = t.detach().to("cpu", torch.float32)
+    if t.numel() != size:
+        raise ValueError(f"expected {size} factors, got shape {tuple(t.shape)}")
+    return np.ascontiguousarray(t.numpy().reshape(size))
 
 
 def quantize_int8_rows_cpu(weight, col_smooth=None, row_gain=None, *, out=None, scale_out=None):
@@ -67,15 +119,21 @@ def quantize_int8_rows_cpu(weight, col_smooth=None, row_gain=None, *, out=None, 
         scale_out = torch.empty((n, 1), dtype=torch.float32)
     elif scale_out.numel() != n or scale_out.dtype != torch.float32:
         raise ValueError(f"scale_out must be float32 with {n} scales, got {scale_out.dtype} {tuple(scale_out.shape)}")
-    col = (torch.ones(k, dtype=torch.float32) if col_smooth is None
-           else col_smooth.detach().to("cpu", torch.float32).reshape(k).contiguous())
-    gain = (torch.ones(n, dtype=torch.float32) if row_gain is None
-            else row_gain.detach().to("cpu", torch.float32).reshape(n).contiguous())
-    w = weight.detach().contiguous()
-    min_amax = np.float32(MIN_SCALE * QMAX)
+    col = _f32_vector(col_smooth, k)
+    gain = _f32_vector(row_gain, n)
+    w = weight.detach()
+    if not w.is_contiguous():
+        w = w.contiguous()
     if w.dtype == torch.bfloat16:
-        _quantize_bf16(w.view(torch.int16).numpy().view(np.uint16), col.numpy(), gain.numpy(),
-                       out.numpy(), scale_out.view(-1).numpy(), min_amax)
+        src = w.view(torch.int16).numpy().view(np.uint16)
     else:
-        _quantize_f32(w.numpy(), col.numpy(), gain.numpy(), out.numpy(), scale_out.view(-1).numpy(), min_amax)
+        src = w.numpy()
+    _quantize_rows(src, col, gain, out.numpy(), scale_out.view(-1).numpy(), _MIN_AMAX, _CHUNKS)
     return out, scale_out
+
+
+def int8_row_sums(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = float32(sum_j x[i, j])`` for a CPU int8 ``x`` whose rows are contiguous
+    (``x.stride(1) == 1``) and a contiguous float32 ``out`` of ``x.shape[0]`` elements."""
+    _row_sums_int8(x.numpy(), out.view(-1).numpy(), _CHUNKS)
+    return out

@@ -107,12 +107,14 @@ SUM_SLICE_BYTES = 256 << 10
 
 
 class BoundedIntSum(TorchFunctionMode):
-    """``t.sum(dim, dtype=torch.float32)`` of an int8 matrix, computed in slices.
+    """``t.sum(dim, dtype=torch.float32)`` of an int8 matrix, without a float32 copy of it.
 
     vLLM's CPU int8 kernel computes ``azp_adj = weight.sum(dim=0, dtype=float32)`` while
     post-processing a layer; torch converts the *whole* int8 weight to float32 first (4x
-    the int8 layer) and reduces a transposed view. Here the same reduction runs over
-    slices of the kept dimension, each converted separately (at most
+    the int8 layer) and reduces a transposed view. Here, on CPU, when the reduced
+    dimension is contiguous (vLLM's case: the transposed view of the ``[out, in]``
+    weight), one numba pass sums each row in int32 (no temporary at all); otherwise the
+    reduction runs over slices of the kept dimension, each converted separately (at most
     :data:`SUM_SLICE_BYTES` of float32 at a time). The result is bit-identical: every
     partial sum is an integer below 2**24 in magnitude (checked), exact in float32
     whatever the order of additions. Anything else passes through unchanged.
@@ -144,11 +146,18 @@ def _sliced_int_sum(args, kwargs):
     rd = dim % 2
     od = 1 - rd
     k = x.shape[rd]
-    if k * 256 >= 2 ** 24 or x.numel() * 4 <= SUM_SLICE_BYTES:
+    if k * 256 >= 2 ** 24 or x.numel() == 0:
         return None
-    rows = max(1, SUM_SLICE_BYTES // (4 * k))
     shape = list(x.shape)
     shape[rd] = 1
+    if x.device.type == "cpu" and x.dtype == torch.int8 and x.stride(rd) == 1:
+        from ._cpu_kernels import int8_row_sums
+        result = torch.empty(shape, dtype=torch.float32)
+        int8_row_sums(x.detach() if rd == 1 else x.detach().t(), result.view(-1))
+        return result if keepdim else result.squeeze(rd)
+    if x.numel() * 4 <= SUM_SLICE_BYTES:
+        return None
+    rows = max(1, SUM_SLICE_BYTES // (4 * k))
     result = torch.empty(shape, dtype=torch.float32, device=x.device)
     for start in range(0, x.shape[od], rows):
         n = min(rows, x.shape[od] - start)
