@@ -54,10 +54,11 @@ Policies, in one run (``--intervals`` steps between checks, the seed's default i
                         tokens) / per-rank rate``. The preemptions are the pooled scheduler's
                         (KV fragmentation across ranks ignored: optimistic, as a bound must
                         be). This is a bound on *rebalancing* — work-conserving placement
-                        with vLLM's own admission and recompute preemption — not on every
-                        scheduler: a policy that holds a preempted request back until it can
-                        run without being preempted again (see ``--admission-reserve``) is a
-                        scheduler change and is reported as a sensitivity, not folded in.
+                        under a given admission rule — not on every scheduler. Each table
+                        fixes one admission rule for every row, the bound included: vLLM's
+                        (admit as soon as the prompt fits) and this project's
+                        ``ASCEND_RL_KV_ADMISSION_RESERVE`` (admit only if the running requests
+                        keep room to grow N more tokens each; ``--admission-reserve``).
 
 Where the time goes (the analysis behind the README's statement): in this scenario vLLM
 admits all 256 requests per rank, the caches fill at ~3000 steps, and from then until ~20000
@@ -119,7 +120,7 @@ class Scenario:
     check_seconds: float = 0.002  # gather + plan
     per_request_seconds: float = 0.002  # metadata, scheduler re-admission
     steps: str = "doc"  # step-time model: doc | ladder
-    admit_reserve_steps: int = 0  # 0: vLLM (re-admit as soon as the prompt fits); see --help
+    admit_reserve_steps: int = 0  # 0: vLLM (admit as soon as the prompt fits); see --help
     seed: int = 0
 
     def lengths(self) -> np.ndarray:
@@ -301,8 +302,8 @@ class Rollout:
         while wait and len(run) < self.max_seqs:
             rid, gen = wait[0]
             need = self.sc.prompt_tokens + gen + 1
-            # not vLLM (sensitivity only): keep room for the running requests' next steps
-            reserve = (len(run) + 1) * self.sc.admit_reserve_steps if self.step else 0
+            # ASCEND_RL_KV_ADMISSION_RESERVE: keep room for the running requests' next steps
+            reserve = len(run) * self.sc.admit_reserve_steps
             if self.context(r) + need + reserve > self.cap:
                 break
             wait.popleft()
@@ -572,17 +573,18 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=Scenario.sigma)
     ap.add_argument("--prefill", type=float, default=Scenario.prefill_tokens_per_s,
                     help="prefill tokens/s per rank (recompute after preemption/migration)")
-    ap.add_argument("--admission-reserve", type=int, default=0, metavar="STEPS",
-                    help="sensitivity, not vLLM: a rank admits a queued request only if its "
-                         "running requests keep room to grow STEPS more tokens each (stops "
-                         "the re-admit/re-preempt cycle; a scheduler change, not a rebalance)")
+    ap.add_argument("--admission-reserve", default="0,1024", metavar="STEPS[,STEPS...]",
+                    help="one table per value: 0 is vLLM's admission; N > 0 is "
+                         "ASCEND_RL_KV_ADMISSION_RESERVE=N (a rank admits a queued request only "
+                         "if its running requests keep room to grow N more tokens each), applied "
+                         "to every policy and to the bound alike")
     ap.add_argument("--no-timing", action="store_true", help="skip the planning-time part")
     args = ap.parse_args()
     intervals = [int(x) for x in args.intervals.split(",") if x]
+    reserves = [int(x) for x in args.admission_reserve.split(",") if x]
     base = Scenario(steps=args.steps, kv_tokens_per_rank=args.kv_tokens,
                     max_num_seqs=args.max_num_seqs, median_response=args.median,
-                    sigma=args.sigma, prefill_tokens_per_s=args.prefill,
-                    admit_reserve_steps=args.admission_reserve)
+                    sigma=args.sigma, prefill_tokens_per_s=args.prefill)
     if args.quick:
         base = replace(base, dp=8)
     lengths = base.lengths()
@@ -591,17 +593,30 @@ def main() -> None:
           f"{base.max_response}), max_num_seqs={base.max_num_seqs}, ladder={LADDER}, KV "
           f"{base.kv_tokens_per_rank // 1000}K tokens/rank ({base.kv_bytes_per_token / 1024:.0f} "
           f"KiB/token), link {base.link_bytes_per_s / 1e9:.0f} GB/s, prefill "
-          f"{base.prefill_tokens_per_s:.0f} tok/s, steps={base.steps}, admission reserve "
-          f"{base.admit_reserve_steps} steps")
+          f"{base.prefill_tokens_per_s:.0f} tok/s, steps={base.steps}")
     config = PlannerConfig(graph_sizes=LADDER, kv_bytes_per_token=base.kv_bytes_per_token,
                            link_bytes_per_s=base.link_bytes_per_s,
                            prefill_tokens_per_s=base.prefill_tokens_per_s)
     t = time.perf_counter()
-    rows = compare(base, lengths, config, intervals)
+    tables = {}
+    for reserve in reserves:
+        print(f"\n== admission: {'vLLM (re-admit as soon as the prompt fits)' if reserve == 0 else f'ASCEND_RL_KV_ADMISSION_RESERVE={reserve}'}")
+        rows = tables[reserve] = compare(replace(base, admit_reserve_steps=reserve), lengths, config,
+                                         intervals)
+        print_table(rows)
     elapsed = time.perf_counter() - t
-    print()
-    print_table(rows)
-    timings = [x for _, _, _, st in rows for x in st.plan_seconds]
+    if len(reserves) > 1 and 0 in reserves:
+        by = {(r, n, i): sec for r, rows in tables.items() for n, i, sec, _ in rows}
+        best_bound = min(rows[-1][2] for rows in tables.values())
+        seed_system = by[(0, "seed planner", max(intervals))]
+        print(f"\nacross admissions (seed's system: seed planner every {max(intervals)} steps, vLLM's "
+              f"admission, {seed_system:.0f} s; lowest bound of those run {best_bound:.0f} s):")
+        for reserve in reserves:
+            for interval in intervals:
+                this = by[(reserve, "this planner", interval)]
+                print(f"  this planner every {interval}, reserve {reserve}: {this:.0f} s, vs the seed's "
+                      f"system {1 - this / seed_system:+.1%}, vs the lowest bound {this / best_bound - 1:+.1%}")
+    timings = [x for rows in tables.values() for _, _, _, st in rows for x in st.plan_seconds]
     if timings:
         print(f"\nin-simulation plan() time: median {np.median(timings) * 1e3:.3f} ms over "
               f"{len(timings)} checks (DP={base.dp})")
