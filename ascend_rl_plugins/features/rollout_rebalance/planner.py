@@ -266,6 +266,16 @@ def _predict(n, max_seqs, stuck, queued, sizes, flows, nflows):
 
 
 @njit(cache=True)
+def _ranked(give, take):
+    """Donors (ranks with ``give > 0``) and receivers (the others with ``take > 0``), each
+    largest first; ties keep rank order (stable sort), so every rank ranks alike."""
+    donors = np.flatnonzero(give > 0)
+    receivers = np.flatnonzero((give <= 0) & (take > 0))
+    return (donors[np.argsort(-give[donors], kind="mergesort")],
+            receivers[np.argsort(-take[receivers], kind="mergesort")])
+
+
+@njit(cache=True)
 def _assign(target, allow_partial, n, max_seqs, stuck, free, cum, off, flows):
     """Pair donors (above ``target``, or holding stuck requests) with receivers (below it),
     largest surplus with largest room first (rank position breaks ties): few, large flows.
@@ -293,19 +303,7 @@ def _assign(target, allow_partial, n, max_seqs, stuck, free, cum, off, flows):
         return 0
     if not allow_partial and total_surplus > total_room:
         return -1
-    donors = np.empty(nd, dtype=np.int64)
-    receivers = np.empty(nr, dtype=np.int64)
-    i = 0
-    j = 0
-    for r in range(R):
-        if surplus[r] > 0:
-            donors[i] = r
-            i += 1
-        elif room[r] > 0 and free[r] > 0:
-            receivers[j] = r
-            j += 1
-    donors = donors[np.argsort(-surplus[donors], kind="mergesort")]  # stable
-    receivers = receivers[np.argsort(-room[receivers], kind="mergesort")]
+    donors, receivers = _ranked(surplus, np.where(free > 0, room, 0))
     r_room = room[receivers]
     r_free = free[receivers]
     nflows = 0
@@ -405,19 +403,7 @@ def _kv_assign(nflows, bucket_cap, n, max_seqs, queued, demand, limit, pcum, off
                 nr += 1
     if nd == 0 or nr == 0:
         return nflows
-    donors = np.empty(nd, dtype=np.int64)
-    receivers = np.empty(nr, dtype=np.int64)
-    i = 0
-    j = 0
-    for r in range(R):
-        if excess[r] > 0:
-            donors[i] = r
-            i += 1
-        elif spare[r] > 0:
-            receivers[j] = r
-            j += 1
-    donors = donors[np.argsort(-excess[donors], kind="mergesort")]  # stable
-    receivers = receivers[np.argsort(-spare[receivers], kind="mergesort")]
+    donors, receivers = _ranked(excess, spare)
     r_room = room[receivers]
     r_spare = spare[receivers]
     ri = 0
