@@ -90,9 +90,11 @@ def _allocate_with_reserve(wrapped, instance, args, kwargs):
     if _ADMITTING is None:
         from vllm.v1.request import RequestStatus
         _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    if getattr(request, "status", None) not in _ADMITTING:  # running requests: the hot path
+        return wrapped(*args, **kwargs)
     ref = getattr(instance, _SCHEDULER_REF, None)
     scheduler = ref() if ref is not None else None
-    if scheduler is None or getattr(request, "status", None) not in _ADMITTING:
+    if scheduler is None:
         return wrapped(*args, **kwargs)
     if getattr(request, _EXEMPT, False):
         blocks = wrapped(*args, **kwargs)
