@@ -3,7 +3,9 @@
 ``build_artifacts`` (no engine): a BF16 tiny Qwen3 "A", an updated copy "B" (A plus
 noise on every tensor, like a training step), known power-of-two smoothing factors,
 W8A8 checkpoints of A and B written by this project's quantizer, the profile derived
-from (A, W8A8(A)), and a FlashRL config naming W8A8(A).
+from (A, W8A8(A)), and a FlashRL config naming W8A8(A). The same for the *static*
+activation scheme (``int8s_*``: per-tensor ``input_scale`` per linear, the same
+calibration for A and B -- a weight update does not recalibrate) and for FP8.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ def build_artifacts(workdir: str) -> dict:
     from ascend_rl_plugins.features.flashrl import checkpoint, config, profile, quant
 
     a_dir = tiny_qwen3.cached()
-    paths = {k: os.path.join(workdir, k) for k in ("bf16_b", "int8_a", "int8_b", "fp8_a", "fp8_b")}
+    paths = {k: os.path.join(workdir, k) for k in ("bf16_b", "int8_a", "int8_b", "int8s_a", "int8s_b",
+                                                   "fp8_a", "fp8_b")}
     paths["bf16_a"] = a_dir
     paths["profile"] = os.path.join(workdir, "profile.pt")
     paths["config"] = os.path.join(workdir, "flashrl.yaml")
     paths["config_b"] = os.path.join(workdir, "flashrl_b.yaml")
     paths["fp8_profile"] = os.path.join(workdir, "profile_fp8.pt")
     paths["fp8_config"] = os.path.join(workdir, "flashrl_fp8.yaml")
+    paths["int8s_profile"] = os.path.join(workdir, "profile_static.pt")
+    paths["int8s_config"] = os.path.join(workdir, "flashrl_static.yaml")
     if os.path.exists(os.path.join(workdir, "done.json")):
         return paths
     a = profile.read_tensors(a_dir)
@@ -51,6 +56,14 @@ def build_artifacts(workdir: str) -> dict:
     for src, dst in (("bf16_a", "int8_a"), ("bf16_b", "int8_b")):
         prof = profile.Profile.from_factors(shapes, known["norm"], known["down"])
         checkpoint.quantize_checkpoint(paths[src], paths[dst], profile=prof)
+    scales = static_input_scales(shapes)
+    for src, dst in (("bf16_a", "int8s_a"), ("bf16_b", "int8s_b")):
+        prof = profile.Profile.from_factors(shapes, known["norm"], known["down"], scheme="static",
+                                            input_scales=scales)
+        checkpoint.quantize_checkpoint(paths[src], paths[dst], profile=prof, scheme="static")
+    profile.derive_profile(a_dir, paths["int8s_a"]).save(paths["int8s_profile"])
+    config.write_config(paths["int8s_config"], config.RolloutConfig(fn="int8", model=paths["int8s_a"],
+                                                                    profile=paths["int8s_profile"]), append=False)
     for src, dst in (("bf16_a", "fp8_a"), ("bf16_b", "fp8_b")):
         prof = profile.Profile.from_factors(shapes, known["norm"], known["down"], fn="fp8_channel")
         checkpoint.quantize_checkpoint(paths[src], paths[dst], profile=prof, fn="fp8_channel")
@@ -85,6 +98,17 @@ def known_factors(tensors) -> dict:
             if profile.gain_source(name) is not None:
                 down[name] = torch.exp2(torch.randint(-2, 3, (t.shape[1],), generator=g).float())
     return {"norm": norm, "down": down}
+
+
+def static_input_scales(shapes) -> dict:
+    """Seeded per-tensor activation scales ([1], float32), different for every linear
+    (also for the shards of a fused layer, so vLLM's max over the shards matters)."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    return {name[: -len(".weight")]: torch.exp2(torch.randint(-6, -2, (1,), generator=g).float())
+            * (1.0 + torch.rand(1, generator=g))
+            for name in sorted(shapes)}
 
 
 # -- engine side ----------------------------------------------------------------------
@@ -150,8 +174,9 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
 
     import onednn_int8_double
     double = onednn_int8_double.install()
-    fmt = "fp8" if role.startswith("fp8_") else "int8"
-    role = role[len("fp8_"):] if fmt == "fp8" else role
+    # role "reload" / "direct" (int8, dynamic scheme), "static_*" (int8, static scheme), "fp8_*"
+    fmt = {"fp8_": "fp8", "static_": "int8s"}.get(role[: role.find("_") + 1], "int8")
+    role = role.split("_", 1)[1] if fmt != "int8" else role
     if fmt == "fp8":
         import fp8_capability_double
         fp8_capability_double.install()
@@ -177,9 +202,28 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
     res["out_before"] = _generate(llm)
     res["t_gen"] = time.perf_counter() - t0
     ptrs0 = {n: p.data_ptr() for n, p in model.named_parameters()}
+    input_scales0 = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".input_scale")}
+    # the output type of every int8 oneDNN handler the reload builds (for static activations
+    # the matmul writes that dtype straight into the activation-dtype output buffer)
+    handler_types = set()
+    if fmt != "fp8":
+        import vllm._custom_ops as ops
+        create = ops.create_onednn_scaled_mm
+
+        def recording_create(weight, weight_scales, output_type, dynamic_quant, *args, **kwargs):
+            handler_types.add(f"{output_type}/{'dynamic' if dynamic_quant else 'static'}")
+            return create(weight, weight_scales, output_type, dynamic_quant, *args, **kwargs)
+        ops.create_onednn_scaled_mm = recording_create
     state.keep_quantized = True
     loaded = model.load_weights(_stream(paths["bf16_b"]))
     res["loaded"] = len(loaded)
+    res["stats"] = dict(state.last_stats)
+    res["handler_types"] = sorted(handler_types)
+    res["engine_default_dtype"] = str(state.default_dtype)
+    res["default_dtype_after"] = str(torch.get_default_dtype())
+    res["input_scales"] = len(input_scales0)
+    res["input_scale_changed"] = sorted(n for n, p in model.named_parameters() if n in input_scales0
+                                        and not torch.equal(p, input_scales0[n]))
     # bit-exact comparison of the online quantization with the offline W8A8(B) checkpoint
     offline = load_file(os.path.join(paths[f"{fmt}_b"], "model.safetensors"))
     mism = {}
@@ -188,7 +232,7 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
             mism[wname] = int((as_bits(q) != as_bits(offline[wname])).sum())
     res["n_quantized"] = len(state.last_quantized)
     res["quant_mismatch"] = mism
-    res["norm_mismatch"] = [n for n, t in _stream(paths["int8_b"]) if n.endswith("norm.weight") and not
+    res["norm_mismatch"] = [n for n, t in _stream(paths[f"{fmt}_b"]) if n.endswith("norm.weight") and not
                             torch.equal(dict(model.named_parameters()).get(n, t).float(), t.float())]
     state.keep_quantized = False
     state.last_quantized = None

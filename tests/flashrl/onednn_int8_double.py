@@ -10,8 +10,14 @@ weight_scales, output_type, dynamic_quant, use_azp, primitive_cache_size)``,
 ``onednn_scaled_int8_quant(input, scale, azp, symmetric)``,
 ``onednn_scaled_mm(handler, x, output, input_scale, input_zp, input_zp_adj, bias)``).
 Like the real handler it keeps its own *copy* of the weight, so a reload that only
-copied raw parameter storage would be caught. Installed only when the real ops are
-absent (never on the current stack, whose wheel has them).
+copied raw parameter storage would be caught, and it keeps the real handler's output-type
+contract (``csrc/cpu/dnnl_kernels.cpp``): with static per-tensor activations
+(``dynamic_quant=False``) the oneDNN matmul writes elements of the handler's
+``output_type`` straight into the output buffer, so a buffer of another dtype is an error
+here (the real kernel writes past a bfloat16 buffer when the handler was built for
+float32); with dynamic per-token activations it writes a float32 temporary and casts, so
+any output dtype is fine. Installed only when the real ops are absent (never on the
+current stack, whose wheel has them).
 """
 
 from __future__ import annotations
@@ -20,16 +26,18 @@ import torch
 
 
 class HandlerDouble:
-    def __init__(self, weight: torch.Tensor, weight_scales: torch.Tensor, output_type: torch.dtype):
+    def __init__(self, weight: torch.Tensor, weight_scales: torch.Tensor, output_type: torch.dtype,
+                 dynamic_quant: bool = True):
         self.k, self.n = weight.size()
         self.weight = weight.to(torch.float32).contiguous().clone()  # "prepacked" private copy
         self.scales = weight_scales.to(torch.float32).reshape(1, -1).clone()
         self.output_type = output_type
+        self.dynamic_quant = dynamic_quant
 
 
 def create_onednn_scaled_mm_double(weight, weight_scales, output_type, dynamic_quant, use_azp,
                                    primitive_cache_size=128):
-    return HandlerDouble(weight, weight_scales, output_type)
+    return HandlerDouble(weight, weight_scales, output_type, dynamic_quant)
 
 
 def onednn_scaled_int8_quant_double(input, scale=None, azp=None, symmetric=True):
@@ -47,6 +55,10 @@ def onednn_scaled_int8_quant_double(input, scale=None, azp=None, symmetric=True)
 
 
 def onednn_scaled_mm_double(dnnl_handler, x, output, input_scale, input_zp, input_zp_adj, bias):
+    if not dnnl_handler.dynamic_quant and output.dtype != dnnl_handler.output_type:
+        raise RuntimeError(f"onednn double: static-activation handler built for {dnnl_handler.output_type} "
+                           f"output given a {output.dtype} buffer (the real oneDNN kernel writes "
+                           f"{dnnl_handler.output_type} elements into it)")
     acc = x.to(torch.float32) @ dnnl_handler.weight
     acc = acc * input_scale.to(torch.float32).reshape(-1, 1) * dnnl_handler.scales
     if bias is not None:

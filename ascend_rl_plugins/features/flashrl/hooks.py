@@ -53,18 +53,36 @@ def process_weights_after_loading(wrapped, args, kwargs):
     if wrong:
         raise ConfigError(f"ASCEND_RL_FLASHRL selects fn={cfg.fn!r} ({want}) but {cfg.model!r} holds "
                           f"{quantized[0].specs['weight'].dtype} weights ({len(wrong)} layers, e.g. {wrong[0]})")
-    static = sorted(r.name for r in quantized if "input_scale" in r.specs)
-    if static:
+    # Static (per-tensor input_scale) activations: reloaded like the dynamic scheme; the
+    # engine keeps the checkpoint's input scales (calibration; see reload._CALIBRATION).
+    # Refused: asymmetric static activations (an input_zero_point), which this project's
+    # quantizer never writes -- vLLM's CPU post-processing rewrites input_scale and
+    # input_zero_point from the shards' ranges and adds an azp_adj term, and keeping
+    # post-processed values across reloads is not verified for them -- and static FP8
+    # activations, which no platform this project runs on serves (stock vLLM on CPU has no
+    # FP8 W8A8 scheme, vLLM-Ascend 0.23's W8A8FP8_DYNAMIC is per-token).
+    asym = sorted(r.name for r in quantized if "input_zero_point" in r.specs)
+    if asym:
         raise ConfigError(
-            f"ASCEND_RL_FLASHRL: {cfg.model!r} uses static (per-tensor input_scale) activations "
-            f"({len(static)} layers, e.g. {static[0]}); the online reload supports the dynamic per-token "
-            f"scheme only (on vLLM 0.23 CPU a reload of a static layer corrupted the heap in the oneDNN "
-            f"path). Re-quantize with `ascend-rl flashrl quantize --scheme dynamic`.")
+            f"ASCEND_RL_FLASHRL: {cfg.model!r} uses asymmetric static activations (input_zero_point; "
+            f"{len(asym)} layers, e.g. {asym[0]}); the online reload supports dynamic per-token and "
+            f"symmetric static per-tensor activations. Re-quantize with `ascend-rl flashrl quantize "
+            f"--scheme static` (symmetric) or `--scheme dynamic`.")
+    static = sorted(r.name for r in quantized if "input_scale" in r.specs)
+    if static and cfg.is_fp8:
+        raise ConfigError(
+            f"ASCEND_RL_FLASHRL: {cfg.model!r} uses static (per-tensor input_scale) FP8 activations "
+            f"({len(static)} layers, e.g. {static[0]}); FP8 online reload supports dynamic per-token "
+            f"activations only (the static FP8 path is not served by vLLM on CPU nor by vLLM-Ascend's "
+            f"W8A8FP8_DYNAMIC, so it is not verified). Re-quantize with `ascend-rl flashrl quantize "
+            f"--fn {cfg.fn} --scheme dynamic`.")
     state.check_profile()
     install(model, state)
     log.info("flashrl: %d %s layers ready for online-quantized reload (%d rebuilt through their quant "
-             "method, profile=%s)", len(quantized), "FP8" if cfg.is_fp8 else "INT8",
-             sum(r.rebuild for r in state.records.values()), cfg.profile)
+             "method, %s activations, profile=%s)", len(quantized), "FP8" if cfg.is_fp8 else "INT8",
+             sum(r.rebuild for r in state.records.values()),
+             "static per-tensor (input scales kept from the checkpoint)" if static else "dynamic per-token",
+             cfg.profile)
     return result
 
 

@@ -24,6 +24,10 @@ every parameter first), and whatever the quant method keeps outside parameters (
 handlers on CPU) is rebuilt by the method itself rather than by copying raw storage.
 Unquantized modules (norms, embeddings, lm_head) are loaded in place and their quant
 method's post-processing is re-run when it exists (on CPU it rebuilds oneDNN handlers).
+Every post-processing runs under the default dtype the engine's own post-processing saw
+(:attr:`ReloadState.default_dtype`; vLLM's CPU int8 kernel makes it the output type of a
+static-activation oneDNN handler). Static activation calibration (``input_scale`` ...) is
+not part of a weight update: the engine keeps the checkpoint's values.
 
 An *update session* (:func:`update_session`; opened by the verl 0.9 hook) spans several
 ``load_weights`` calls -- verl 0.9 sends an update in buckets, and a fused layer can be
@@ -179,16 +183,33 @@ def _release_kernel_state(module: torch.nn.Module) -> None:
         module.cpu_linear = torch.nn.functional.linear
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None):
+    """``torch.set_default_dtype(dtype)`` inside the block (restored even on error)."""
+    if dtype is None or dtype == torch.get_default_dtype():
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def _postprocess(module: torch.nn.Module, quant_method, target_device, layer: str,
-                 timing: dict | None = None, key: str = "postprocess_s") -> None:
+                 timing: dict | None = None, key: str = "postprocess_s",
+                 dtype: torch.dtype | None = None) -> None:
     """The quant method's own post-processing of ``module``, with its previous kernel state
-    released first and int8 reductions bounded (:class:`BoundedIntSum`)."""
+    released first and int8 reductions bounded (:class:`BoundedIntSum`), under the default
+    dtype the engine's own post-processing ran with (``dtype``; see
+    :attr:`ReloadState.default_dtype`)."""
     from vllm.model_executor.model_loader.utils import device_loading_context
     t0 = time.perf_counter()
     _release_kernel_state(module)
     try:
         # (the label lets the benchmark tell the quant method's own transients from the reload's)
-        with torch.profiler.record_function("flashrl.quant_method_postprocess"), \
+        with torch.profiler.record_function("flashrl.quant_method_postprocess"), default_dtype(dtype), \
                 device_loading_context(module, target_device), BoundedIntSum():
             quant_method.process_weights_after_loading(module)
     except Exception as exc:
@@ -235,6 +256,17 @@ class ReloadState:
         self.profile = profile
         self.fn = fn
         self.records: dict[str, ModuleRecord] = {}
+        # The default dtype in effect while the engine post-processed the model: vLLM's loader
+        # runs process_weights_after_loading under set_default_torch_dtype(model_config.dtype),
+        # and quant methods read it. vLLM's CPU int8 kernel (CPUInt8ScaledMMLinearKernel.
+        # process_weights_for_onednn) passes torch.get_default_dtype() as the oneDNN handler's
+        # output type, which for *static* activations is the dtype the matmul writes straight
+        # into the layer's output buffer (allocated in the activation dtype): a reload
+        # post-processing under torch's float32 default built handlers that wrote float32 rows
+        # into bfloat16 buffers -- twice their size, a heap overflow. Every reload
+        # post-processing therefore runs under this dtype (this object is made inside the
+        # engine's own post-processing, see hooks.process_weights_after_loading).
+        self.default_dtype = torch.get_default_dtype()
         self.reloads = 0
         self.last_quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.keep_quantized = False  # tests: keep what the last reload quantized, for checks
@@ -380,7 +412,8 @@ class ReloadState:
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         qm = getattr(rec.module, "quant_method", None)
         if isinstance(qm, QuantizeMethodBase) and not rec.quantized:
-            _postprocess(rec.module, qm, self.target_device, rec.name, self.timing, "postprocess_unquantized_s")
+            _postprocess(rec.module, qm, self.target_device, rec.name, self.timing, "postprocess_unquantized_s",
+                         self.default_dtype)
 
 
 class _Update:
@@ -401,6 +434,7 @@ class _Update:
         self.closed = 0
         self.calls = 0
         self.spanned: set[str] = set()  # fused layers left incomplete at the end of a call (sessions)
+        self.skipped_calibration = 0  # input_scale ... tensors of the update not loaded (kept from the engine)
 
     # -- parameter objects vLLM's loader sees ---------------------------------------------
     def _swap_in(self) -> None:
@@ -458,6 +492,13 @@ class _Update:
         keep = state.keep_quantized
         for name, tensor in self._quantized(weights):
             rec, leaf = state.module_of(name)
+            if rec is not None and rec.quantized and name.rpartition(".")[2] in _CALIBRATION:
+                # Static activation calibration (input_scale ...) is not part of a weight update:
+                # the engine keeps the values it loaded from the checkpoint (see _open). The
+                # online quantizer emits them for a static profile (the offline writer needs
+                # them); they are not handed to vLLM.
+                self.skipped_calibration += 1
+                continue
             if rec is None or not rec.rebuild:
                 if rec is not None and hasattr(rec.module, "quant_method"):
                     self.dirty_inplace[rec.name] = rec
@@ -503,7 +544,8 @@ class _Update:
             state._reprocess_inplace(rec)
         state.reloads += 1
         state.last_stats = {"closed": self.closed, "inplace": len(self.dirty_inplace), "calls": self.calls,
-                            "session": self.explicit, "spanned": sorted(self.spanned)}
+                            "session": self.explicit, "spanned": sorted(self.spanned),
+                            "kept_calibration": self.skipped_calibration}
         if state.keep_quantized:
             state.last_quantized = self.quantized_log
 
@@ -532,7 +574,9 @@ class _Update:
         for n, spec in rec.specs.items():
             cur = live.get(n, (None, None))[1]
             if n in _CALIBRATION:
-                # static activation calibration is not part of a weight update: keep it
+                # static activation calibration is not part of a weight update: keep the engine's
+                # value (the checkpoint's, as post-processed at engine start: for CPU int8 the max
+                # over the fused shards, a 0-dim tensor; post-processing it again is the identity)
                 if cur is None:
                     raise ReloadError(f"flashrl reload: {rec.name}.{n} has no live value to keep")
                 fresh = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
@@ -569,7 +613,8 @@ class _Update:
                                   f"layer was complete; the reload needs a load_weights that consumes the update "
                                   f"tensor by tensor")
             _postprocess(module, module.quant_method, self.state.target_device, rec.name, self.state.timing,
-                         "postprocess_quantized_s" if rec.quantized else "postprocess_unquantized_s")
+                         "postprocess_quantized_s" if rec.quantized else "postprocess_unquantized_s",
+                         self.state.default_dtype)
         except BaseException:
             self._abort(p)  # the engine's parameter objects and values back (kernel state: see _postprocess)
             raise
