@@ -21,7 +21,10 @@ def free_port() -> int:
 def run_group(code: str, world: int, *, env: dict | None = None, timeout: float = 600,
               python: str | None = None) -> list:
     """Run ``code`` in ``world`` processes; each calls ``emit(obj)``; returns objs by rank.
-    ``torch.distributed`` is initialized (gloo, env://) before ``code`` runs."""
+    ``torch.distributed`` is initialized (gloo, env://) before ``code`` runs and torn down
+    after it on every rank together: a rank that left while its peers still talked to it
+    (rank 0 also hosts the rendezvous store) was seen to abort at exit ("terminate called
+    without an active exception", exit -6) after emitting a correct result."""
     prelude = textwrap.dedent(f"""
         import json as _json, os as _os
         def emit(obj):
@@ -31,6 +34,10 @@ def run_group(code: str, world: int, *, env: dict | None = None, timeout: float 
         RANK = dist.get_rank()
         WORLD = dist.get_world_size()
     """)
+    epilogue = textwrap.dedent("""
+        dist.barrier()
+        dist.destroy_process_group()
+    """)
     port = free_port()
     procs = []
     for rank in range(world):
@@ -38,7 +45,7 @@ def run_group(code: str, world: int, *, env: dict | None = None, timeout: float 
         e.update(env or {})
         e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([python or sys.executable, "-c", prelude + textwrap.dedent(code)],
+        procs.append(subprocess.Popen([python or sys.executable, "-c", prelude + textwrap.dedent(code) + epilogue],
                                       env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     results, failures = [], []
