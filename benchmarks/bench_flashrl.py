@@ -56,6 +56,10 @@ oneDNN ops is used, so section 3 there times a double, not vLLM's kernel).
    the whole BF16 reload (3.5-5x the BF16 prepack). With another process on one core the
    old code reached 8.1x (its sliced torch ``azp_adj`` reduction), this code 2.1x. Recipe
    stack (plain BF16 copy, int8 handler doubled): 12.8-15.1x (17.6-18.0x before).
+   Measured 2026-11-24 on 2 vCPUs of an AMD EPYC Zen 4 (AVX-512 *with* VNNI and BF16),
+   11 rounds: 2.14x (per-round 1.58-2.98x); the s8 prepack still runs ``simple:any``:
+   oneDNN 3.10's JIT reorder (``brgemm_matmul_reorders``) takes only an ``ab`` source and
+   vLLM's handler requires ``ba`` (``b.stride(0) == 1``), so no x86 ISA avoids it.
 """
 
 from __future__ import annotations
