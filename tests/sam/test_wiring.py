@@ -43,6 +43,30 @@ emit([sam.BATCH_THRESHOLD.value, sam.GROUP.value])
                                  "VLLM_SPECULATIVE_BATCH_SIZE_THRE": "8"}) == [8, True]
 
 
+def test_proposer_compiles_the_step_kernel_when_built():
+    """The numba kernel is compiled (seconds on a cold cache) when an engine builds its
+    proposer, not in the first decode step: a fresh process has no compiled entry point until
+    a SAM proposer is constructed, and has it right after."""
+    code = r'''
+from types import SimpleNamespace
+from ascend_rl_plugins.features.sam import automaton
+from ascend_rl_plugins.features.sam.vllm_proposer import sam_proposer_class
+
+class PristineNgramProposer:  # stands in for the runner's NgramProposer base class
+    pass
+
+cfg = SimpleNamespace(
+    speculative_config=SimpleNamespace(model="sam", num_speculative_tokens=3,
+                                       prompt_lookup_min=None, prompt_lookup_max=None),
+    model_config=SimpleNamespace(max_model_len=256))
+before = automaton._ENTRY[0] is not None
+proposer = sam_proposer_class(PristineNgramProposer)(cfg)
+emit({"before": before, "after": automaton._ENTRY[0] is not None, "k": proposer.sam.k})
+'''
+    out = run_python(code, env={"ASCEND_RL_AUTOLOAD": "0"})
+    assert out == {"before": False, "after": True, "k": 3}
+
+
 @pytest.mark.skipif(stack_name() is None, reason="needs vLLM")
 def test_vllm_config_accepts_sam_and_selects_the_sam_proposer():
     """Real vLLM config objects: EngineArgs -> SpeculativeConfig with method 'sam' passes vLLM's

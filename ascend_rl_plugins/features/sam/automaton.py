@@ -576,6 +576,15 @@ def _step_entry():
     return fn
 
 
+def compile_step_kernel() -> None:
+    """Compile the decode-step kernel now (or load it from numba's on-disk cache).
+
+    An engine calls this when it builds its proposer, as vLLM's n-gram proposer warms its
+    own kernel, so the compilation (seconds on a cold cache) is paid at start-up and not
+    inside the first decode step."""
+    _step_entry()
+
+
 def _as_1d(x, dtype):
     """``x`` as a 1-d array of ``dtype`` (any strides); free when it already is one."""
     if type(x) is _ndarray and x.dtype is dtype and x.ndim == 1:

@@ -14,9 +14,11 @@ proposer the runner's ``input_batch`` (ids, prompt lengths, unsupported requests
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
+from .automaton import compile_step_kernel
 from .drafter import SamDrafter
 
 log = logging.getLogger("ascend_rl_plugins")
@@ -53,8 +55,11 @@ class _SamProposerMixin:
         self.max_n = getattr(spec, "prompt_lookup_max", None) or 1
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.sam = build_drafter(vllm_config)
-        log.info("ascend-rl: SAM drafter k=%d min_match=%d group=%s batch_threshold=%d",
-                 self.k, self.sam.pool.min_match, self.sam.group, self.sam.batch_threshold)
+        started = time.perf_counter()
+        compile_step_kernel()
+        log.info("ascend-rl: SAM drafter k=%d min_match=%d group=%s batch_threshold=%d "
+                 "(kernel ready in %.2f s)", self.k, self.sam.pool.min_match, self.sam.group,
+                 self.sam.batch_threshold, time.perf_counter() - started)
 
     def bind_input_batch(self, input_batch) -> None:
         self.input_batch = input_batch
