@@ -1,0 +1,125 @@
+"""Run a scenario -- a function in an importable test module -- in a fresh interpreter.
+
+Tests that patch global state, start a vLLM engine or form a gloo group run in child
+processes so that the pytest process stays pristine and one test cannot leak patches into
+another. The child code is an ordinary module (linted, importable, with real tracebacks),
+never Python source held in a string: ``run_scenario("tests.features.gc_off.scenario",
+"server_path", arg, env=...)`` runs ``python -m tests.support.child`` which imports the
+module, calls the function with the JSON-decoded arguments and prints its JSON-able return
+value behind a marker line.
+
+``run_group`` does the same in N processes forming a ``torch.distributed`` gloo group
+(torchrun-style environment); every rank tears the group down together at the end, since
+a rank that left while its peers still talked to it (rank 0 also hosts the rendezvous
+store) was seen to abort at exit after emitting a correct result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Any
+
+MARK = "@@ARP_TEST_RESULT@@"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Environment for child processes that build a vLLM engine on CPU.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "2",
+}
+
+
+def _child_env(env: dict | None) -> dict:
+    full = dict(os.environ)
+    full.update(env or {})
+    path = full.get("PYTHONPATH", "")
+    full["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
+    return full
+
+
+def _command(module: str, function: str, args: tuple, python: str | None, group: bool) -> list[str]:
+    payload = json.dumps({"module": module, "function": function, "args": list(args), "group": group})
+    return [python or sys.executable, "-m", "tests.support.child", payload]
+
+
+def _result(out: str) -> tuple[bool, Any]:
+    got = [line[len(MARK):] for line in out.splitlines() if line.startswith(MARK)]
+    return (True, json.loads(got[-1])) if got else (False, None)
+
+
+def run_scenario(module: str, function: str, *args: Any, env: dict | None = None,
+                 timeout: float = 900, python: str | None = None) -> Any:
+    """``module.function(*args)`` in a fresh interpreter; returns its (JSON) result.
+
+    A non-zero exit or a missing result raises AssertionError with the output tails."""
+    proc = subprocess.run(_command(module, function, args, python, False), env=_child_env(env),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    ok, result = _result(proc.stdout)
+    if proc.returncode != 0 or not ok:
+        raise AssertionError(f"{module}.{function} failed in a child process (exit {proc.returncode})\n"
+                             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(module: str, function: str, world: int, *args: Any, env: dict | None = None,
+              timeout: float = 600, python: str | None = None) -> list:
+    """``module.function(*args)`` on every rank of a ``world``-process gloo group (the group is
+    initialized before the call); returns the results by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        e = _child_env(env)
+        e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(_command(module, function, args, python, True), env=e, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results, failures = [], []
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            failures.append(f"rank {rank} timed out\n{err[-3000:]}")
+            results.append(None)
+            continue
+        ok, got = _result(out)
+        if p.returncode != 0 or not ok:
+            failures.append(f"rank {rank} exit {p.returncode}\n--- stdout ---\n{out[-2000:]}\n"
+                            f"--- stderr ---\n{err[-5000:]}")
+        results.append(got)
+    if failures:
+        raise AssertionError(f"{module}.{function} on {world} ranks:\n" + "\n\n".join(failures))
+    return results
+
+
+def _main(payload: str) -> None:
+    spec = json.loads(payload)
+    if spec["group"]:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+    fn = getattr(importlib.import_module(spec["module"]), spec["function"])
+    result = fn(*spec["args"])
+    if spec["group"]:
+        dist.barrier()
+        dist.destroy_process_group()
+    print(MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
