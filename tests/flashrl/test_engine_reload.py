@@ -66,7 +66,7 @@ def engines(request, artifacts):
     if scheme == "dynamic" and stack_name() == "current" and os.path.isdir(VERL_SRC):
         jobs["verl"] = dict(base, ASCEND_RL_FLASHRL=config)
         jobs["verl_nohook"] = dict(base, ASCEND_RL_FLASHRL=config,
-                                   ASCEND_RL_DISABLE="flashrl._flashrl_verl_update_session")
+                                   ASCEND_RL_DISABLE="flashrl.verl_update_weights_session")
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {role: pool.submit(run_python, CODE.format(here=HERE, role=role, paths=paths, out=wd), env=env,
                                      timeout=1200) for role, env in jobs.items()}

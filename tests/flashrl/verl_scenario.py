@@ -127,7 +127,7 @@ def run(paths: dict, out_dir: str) -> dict:
               worker_extension_cls="verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension")
     model = engine_scenario._model(llm)
     state = rl.state_of(model)
-    hook = next(p for p in REGISTRY.patches.values() if p.name == "flashrl._flashrl_verl_update_session")
+    hook = next(p for p in REGISTRY.patches.values() if p.name == "flashrl.verl_update_weights_session")
     res = {"served": llm.llm_engine.model_config.model, "hook": hook.outcome.state,
            "extension_method": hasattr(verl_utils.vLLMColocateWorkerExtension, "update_weights_from_ipc")}
     res["out_before"] = engine_scenario._generate(llm)

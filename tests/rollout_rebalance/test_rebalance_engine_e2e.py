@@ -130,7 +130,7 @@ pytestmark = requires_vllm
 def test_patches_applied(two_ranks):
     for rank in two_ranks:
         applied = {k for k, v in rank["patches"].items() if v == "applied"}
-        assert "rollout_rebalance._rebalance_after_step" in applied
+        assert "rollout_rebalance.rebalance_after_step" in applied
         assert applied & {"rollout_rebalance.run_engine_013", "rollout_rebalance.run_engine_023"}
 
 

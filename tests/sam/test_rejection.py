@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.sam import rejection  # noqa: E402
+from ascend_rl_plugins.features.cpu_spec_decode import rejection  # noqa: E402
 
 
 def _reference(draft, counts, max_spec, draft_probs, target_probs, bonus, greedy, uniform, q):

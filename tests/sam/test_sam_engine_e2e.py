@@ -159,4 +159,4 @@ def test_batch_size_switch(engines):
     assert any(running == 1 and spec > 0 for running, spec in thr["log"])
     assert all(spec == 0 for running, spec in thr["log"] if running > 1)
     assert thr["stats"]["inactive_steps"] > 0
-    assert sam["patches"]["sam._sam_batch_switch"] == "applied"
+    assert sam["patches"]["sam.batch_size_switch"] == "applied"

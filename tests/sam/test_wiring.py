@@ -197,6 +197,6 @@ def test_patch_targets_resolve_statically():
                 assert set(p.params) <= set(res.params), (stack, p.target, res.params)
             checked.add((stack, p.name))
     names = {n for _, n in checked}
-    assert "sam._ascend_get_drafter" in names  # the vLLM-Ascend target, both va versions
-    assert ("recipe", "sam._cpu_runner_init") in checked
-    assert ("current", "sam.cpu_recovered_tokens_fp64_gumbel") in checked
+    assert "sam.ascend_select_sam_proposer" in names  # the vLLM-Ascend target, both va versions
+    assert ("recipe", "cpu_spec_decode.cpu_runner_allows_spec_decode") in checked
+    assert ("current", "cpu_spec_decode.recovered_tokens_fp64_gumbel") in checked

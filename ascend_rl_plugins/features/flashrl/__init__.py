@@ -84,7 +84,7 @@ def active_config(model_parallel_size: int | None = None):
     return _selected["cfg"]
 
 
-@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_engine_config", dist="vllm", versions=">=0.13,<0.24",
+@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_engine_config", name="flashrl.engine_args", dist="vllm", versions=">=0.13,<0.24",
                 order=40, params=("self",),
                 reason="serve the W8A8 checkpoint named by this rank's FlashRL config instead of the BF16 "
                        "path the trainer passes, and fail at engine start on a bad config/profile (not "
@@ -117,7 +117,7 @@ def _flashrl_engine_args(instance, args, kwargs):
     return None
 
 
-@FEATURE.wrap("vllm.model_executor.model_loader.utils:process_weights_after_loading", dist="vllm",
+@FEATURE.wrap("vllm.model_executor.model_loader.utils:process_weights_after_loading", name="flashrl.process_weights_after_loading", dist="vllm",
               versions=">=0.13,<0.24", order=40, params=("model", "model_config", "target_device"),
               reason="remember each quantized layer's checkpoint-layout parameters before the quant method "
                      "post-processes them, then wrap model.load_weights so BF16 updates are quantized "
@@ -129,7 +129,7 @@ def _flashrl_process_weights(wrapped, instance, args, kwargs):
     return process_weights_after_loading(wrapped, args, kwargs)
 
 
-@FEATURE.before("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__", dist="vllm",
+@FEATURE.before("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__", name="flashrl.lm_head_fp32_init", dist="vllm",
                 versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
                 params=("self", "num_embeddings", "embedding_dim", "params_dtype", "quant_config"),
                 reason="keep lm_head weights in float32 and unquantized (FLASHRL_LMHEAD_FP32)",
@@ -141,7 +141,7 @@ def _flashrl_lmhead_init(instance, args, kwargs):
 
 
 @FEATURE.wrap("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
-              dist="vllm", versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
+              name="flashrl.lm_head_fp32_apply", dist="vllm", versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
               params=("self", "layer", "x", "bias"),
               reason="feed the float32 lm_head float32 hidden states so logits are computed in float32",
               replaces="FlashRL hacked UnquantizedEmbeddingMethod.apply",
@@ -152,7 +152,7 @@ def _flashrl_lmhead_apply(wrapped, instance, args, kwargs):
 
 
 @FEATURE.wrap("verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension.update_weights_from_ipc",
-              dist="verl", versions=">=0.9,<0.10", order=40, params=("self",),
+              name="flashrl.verl_update_weights_session", dist="verl", versions=">=0.9,<0.10", order=40, params=("self",),
               reason="verl 0.9 sends each update in buckets (one model.load_weights call per bucket; a fused layer "
                      "can be split between two) and then runs process_weights_after_loading over the whole model; "
                      "one flashrl update session spans the buckets, and that final call finishes the session "

@@ -68,7 +68,7 @@ _WHY_RUN = ("outputs of migrated requests finish on another rank: the generate l
 _REMOVE = "vLLM migrates running requests between DP engines itself"
 
 
-@FEATURE.after("vllm.v1.engine.llm_engine:LLMEngine.step", dist="vllm", versions=">=0.13,<0.24",
+@FEATURE.after("vllm.v1.engine.llm_engine:LLMEngine.step", name="rollout_rebalance.rebalance_after_step", dist="vllm", versions=">=0.13,<0.24",
                order=50, params=("self",), reason=_WHY_STEP, remove_when=_REMOVE,
                replaces="seed verl 0011 (hook.after LLMEngine.step)")
 def _rebalance_after_step(result, instance, args, kwargs):
@@ -81,7 +81,7 @@ def _rebalance_after_step(result, instance, args, kwargs):
 PENDING_GENERATORS: dict = {}
 
 
-@FEATURE.after("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", dist="vllm",
+@FEATURE.after("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", name="rollout_rebalance.restore_generators", dist="vllm",
                versions=">=0.13,<0.24", order=50, params=("self", "scheduler_output"),
                reason="a seeded request that migrates must continue its random stream: the "
                       "runner creates the request's torch.Generator from SamplingParams.seed "

@@ -10,13 +10,11 @@ Why these patches exist:
 * vLLM-Ascend builds its drafter in ``NPUModelRunner._get_drafter``; that is wrapped to
   return a SAM proposer derived from the Ascend n-gram proposer of the installed version.
 * Batch-size switch: speculation only while the batch is small (long tail of a rollout).
-* CPU: vLLM 0.13's CPU runner refuses speculative decoding and its rejection sampler is
-  Triton-only; vLLM 0.23's CPU recovered-token kernel shim misses the ``USE_FP64_GUMBEL``
-  argument and crashes in random sampling. Both fixed here (flag ASCEND_RL_CPU_SPEC_DECODE).
+* Speculative decoding on a CPU host (this project's tests, CPU users) is a separate
+  feature, ``cpu_spec_decode``: nothing of it matters on an NPU.
 
 Remove when: vLLM (and vLLM-Ascend) ship a suffix-automaton proposer with group sharing
-(upstream has ``suffix`` decoding, per request, no recency drafting), and the CPU issues are
-fixed upstream (0.23 lifted the CPU refusal; the USE_FP64_GUMBEL shim bug is open).
+(upstream has ``suffix`` decoding, per request, no recency drafting).
 
 This module only declares flags and patches; numpy/numba/torch/vLLM are imported by the
 submodules, lazily, when a patched function first runs.
@@ -54,13 +52,7 @@ RECENT_LEN = flags.define(
     "the longest earlier-occurring suffix; also bounds the per-token bookkeeping to N + 1 "
     "states (the seed walked every suffix link).",
     minimum=1, maximum=4096, feature="sam")
-CPU_SPEC_DECODE = flags.define(
-    "ASCEND_RL_CPU_SPEC_DECODE", "bool", True,
-    "Make vLLM speculative decoding run on CPU: lift vLLM 0.13's CPU-runner refusal with a "
-    "vectorized PyTorch rejection sampler, and fix vLLM 0.23's CPU recovered-token kernel "
-    "call (USE_FP64_GUMBEL). Useful for CPU users and for this project's tests.",
-    feature="sam")
-FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware, + CPU spec decode",
+FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
                   flag=ENABLE, replaces="seed 003 vllm 0002, vllm_ascend 0001/0002",
                   verified="runtime on CPU (vLLM 0.13, 0.23); vLLM-Ascend selection against a "
                            "runner double", stacks="recipe, current")
@@ -75,7 +67,7 @@ def _sam_requested(vllm_config) -> bool:
 
 # -- config: method "sam" -> method "ngram", model "sam" ---------------------------------------
 
-@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_speculative_config", dist="vllm",
+@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_speculative_config", name="sam.accept_method_sam", dist="vllm",
                 versions=_VLLM, params=("self",),
                 reason="vLLM's SpeculativeMethod literal has no 'sam'; map it to ngram+model "
                        "'sam' before validation so vLLM's checks stay intact",
@@ -93,7 +85,7 @@ def _rewrite_sam_method(instance, args, kwargs):
 
 # -- proposer selection in vLLM's GPU/CPU model runner ----------------------------------------
 
-@FEATURE.wrap("vllm.v1.spec_decode.ngram_proposer:NgramProposer", dist="vllm", versions=_VLLM,
+@FEATURE.wrap("vllm.v1.spec_decode.ngram_proposer:NgramProposer", name="sam.select_sam_proposer", dist="vllm", versions=_VLLM,
               order=20,
               reason="the model runner builds NgramProposer(vllm_config) for method 'ngram'; "
                      "return the SAM proposer (a NgramProposer subclass) when model == 'sam'",
@@ -108,7 +100,7 @@ def _ngram_or_sam(wrapped, instance, args, kwargs):
 
 
 @FEATURE.before("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
-                dist="vllm", versions=_VLLM, params=("self",),
+                name="sam.bind_input_batch", dist="vllm", versions=_VLLM, params=("self",),
                 reason="vLLM 0.23's ngram propose() gets no request ids; SAM keys its automata "
                        "by request id and groups siblings by prompt, so it reads input_batch",
                 remove_when="the ngram/custom proposer call passes request ids and prompt lengths")
@@ -120,7 +112,7 @@ def _bind_input_batch(instance, args, kwargs):
     return None
 
 
-@FEATURE.replace("vllm.v1.engine.core_client:InprocClient.get_output", dist="vllm",
+@FEATURE.replace("vllm.v1.engine.core_client:InprocClient.get_output", name="sam.inproc_client_post_step", dist="vllm",
                  versions=">=0.13,<0.14", params=("self",),
                  fixed_upstream="vLLM 0.23 (InprocClient.get_output calls post_step)",
                  reason="vLLM 0.13's in-process engine client (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
@@ -142,7 +134,7 @@ def _threshold_active() -> bool:
     return bool(ENABLE.value) and BATCH_THRESHOLD.value > 0
 
 
-@FEATURE.before("vllm.v1.core.sched.scheduler:Scheduler.schedule", dist="vllm", versions=_VLLM,
+@FEATURE.before("vllm.v1.core.sched.scheduler:Scheduler.schedule", name="sam.batch_size_switch", dist="vllm", versions=_VLLM,
                 params=("self",), enabled_by=_threshold_active,
                 reason="speculate only in the long tail: when more requests than the threshold "
                        "will run, drop pending SAM drafts so the step is a plain decode step",
@@ -157,78 +149,9 @@ def _sam_batch_switch(instance, args, kwargs):
     return None
 
 
-# -- CPU speculative decoding -----------------------------------------------------------------------
-
-@FEATURE.replace("vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__", dist="vllm",
-                 versions=">=0.13,<0.14", enabled_by=CPU_SPEC_DECODE, params=("self", "vllm_config", "device"),
-                 fixed_upstream="vLLM 0.23 (CPU runner supports speculative decoding)",
-                 reason="vLLM 0.13's CPU runner asserts speculative_config is None",
-                 remove_when="running vLLM >= the release that supports CPU spec decode (0.23 does)")
-def _cpu_runner_init(self, vllm_config, device):
-    from .cpu_runner import cpu_runner_init
-    cpu_runner_init(self, vllm_config, device)
-
-
-@FEATURE.wrap("vllm.v1.sample.rejection_sampler:rejection_sample", dist="vllm",
-              versions=">=0.13,<0.14", enabled_by=CPU_SPEC_DECODE, order=20,
-              fixed_upstream="vLLM 0.23 (CPU kernels for the rejection sampler)",
-              reason="vLLM 0.13's rejection sampler launches Triton kernels; on CPU tensors use "
-                     "the vectorized PyTorch implementation",
-              remove_when="running vLLM >= 0.23 on CPU")
-def _rejection_sample_cpu(wrapped, instance, args, kwargs):
-    target_probs = args[5] if len(args) > 5 else kwargs["target_probs"]
-    if target_probs.device.type != "cpu":
-        return wrapped(*args, **kwargs)
-    from . import rejection
-    names = ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens",
-             "draft_probs", "target_probs", "bonus_token_ids", "sampling_metadata")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    from vllm.v1.sample import rejection_sampler as upstream
-    return rejection.rejection_sample(**bound, uniform_probs_fn=upstream.generate_uniform_probs)
-
-
-@FEATURE.wrap("vllm.v1.sample.rejection_sampler:expand_batch_to_tokens", dist="vllm",
-              versions=_VLLM, enabled_by=CPU_SPEC_DECODE, order=20,
-              reason="per-request top-k/top-p/temperature expansion for non-greedy spec decode: "
-                     "Triton-only in vLLM 0.13; in 0.23 the CPU shim writes into an int64 copy of "
-                     "an int32 output and drops it, so top-k gets garbage ('selected index k out "
-                     "of range')",
-              remove_when="the CPU expand kernel shim copies its result back (and vLLM >= 0.23)")
-def _expand_batch_cpu(wrapped, instance, args, kwargs):
-    x = args[0] if args else kwargs["x"]
-    if x.device.type != "cpu":
-        return wrapped(*args, **kwargs)
-    from .rejection import expand_batch_to_tokens
-    return expand_batch_to_tokens(*args, **kwargs)
-
-
-class _RecoveredTokensLauncher:
-    """Stands in for vLLM 0.23's ``cpu_triton_utils.sample_recovered_tokens_kernel``
-    (``kernel[grid](...)``), accepting the ``USE_FP64_GUMBEL`` argument the sampler passes."""
-
-    def __getitem__(self, grid):
-        return _launch_recovered_tokens
-
-
-def _launch_recovered_tokens(*args, USE_FP64_GUMBEL=False, **kwargs):
-    from .cpu_runner import sample_recovered_tokens_cpu
-    return sample_recovered_tokens_cpu(*args, **kwargs)
-
-
-FEATURE.set("vllm.utils.cpu_triton_utils:sample_recovered_tokens_kernel", _RecoveredTokensLauncher(),
-            dist="vllm", versions=">=0.23,<0.24", enabled_by=CPU_SPEC_DECODE,
-            name="sam.cpu_recovered_tokens_fp64_gumbel",
-            reason="vLLM 0.23's rejection sampler passes USE_FP64_GUMBEL to the recovered-token "
-                   "kernel; the CPU shim does not take it, so random-sampling spec decode on CPU "
-                   "raises TypeError",
-            remove_when="vllm.utils.cpu_triton_utils._sample_recovered_tokens_kernel_impl accepts "
-                        "USE_FP64_GUMBEL")
-
-
 # -- vLLM-Ascend --------------------------------------------------------------------------------------
 
-@FEATURE.wrap("vllm_ascend.worker.model_runner_v1:NPUModelRunner._get_drafter", dist="vllm-ascend",
+@FEATURE.wrap("vllm_ascend.worker.model_runner_v1:NPUModelRunner._get_drafter", name="sam.ascend_select_sam_proposer", dist="vllm-ascend",
               versions=">=0.13,<0.24", order=20, params=("self",),
               reason="vLLM-Ascend picks its proposer from the method ('ngram' after the rewrite); "
                      "return the SAM proposer when speculative_config.model == 'sam'",
@@ -262,7 +185,7 @@ def _ngram_reduced_or_upstream(implementation: str, wrapped, args, kwargs):
 
 
 @FEATURE.wrap("vllm_ascend.sample.rejection_sampler:sample_recovered_tokens_pytorch",
-              dist="vllm-ascend", versions=">=0.23,<0.24", order=20, params=_RECOVERED_PARAMS,
+              name="sam.ascend_vectorized_recovered_tokens", dist="vllm-ascend", versions=">=0.23,<0.24", order=20, params=_RECOVERED_PARAMS,
               reason="with reduce sampling, model-free drafts (SAM, n-gram) zero each draft "
                      "token among its candidates in a Python loop with one host sync per draft "
                      "token; do it in one masked tensor op",
@@ -273,7 +196,7 @@ def _ascend_recovered_tokens(wrapped, instance, args, kwargs):
 
 
 @FEATURE.wrap("vllm_ascend.sample.rejection_sampler:sample_recovered_tokens_blockwise_pytorch",
-              dist="vllm-ascend", versions=">=0.23,<0.24", order=20, params=_RECOVERED_PARAMS,
+              name="sam.ascend_vectorized_recovered_tokens_blockwise", dist="vllm-ascend", versions=">=0.23,<0.24", order=20, params=_RECOVERED_PARAMS,
               reason="block verification (num_speculative_tokens >= 3) has the same per-draft-"
                      "token loop for model-free drafts under reduce sampling",
               remove_when="vLLM-Ascend vectorizes the IS_NGRAM reduce-sampling branch",

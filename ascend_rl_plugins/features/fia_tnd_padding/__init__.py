@@ -24,8 +24,8 @@ vLLM-Ascend has that upstream fix.
 
 from __future__ import annotations
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 ENABLE = flags.define(
     "ASCEND_RL_FIA_TND_PADDING", "bool", False,

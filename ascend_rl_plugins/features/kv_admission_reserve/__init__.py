@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import weakref
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 STEPS = flags.define(
     "ASCEND_RL_KV_ADMISSION_RESERVE", "int", 0,

@@ -17,8 +17,8 @@ Remove when: running vLLM >= 0.23 on CPU (or the kernel honours input strides).
 
 from __future__ import annotations
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 ENABLE = flags.define(
     "ASCEND_RL_CPU_RMS_NORM_FIX", "bool", True,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import gc
 import threading
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 ENABLE = flags.define(
     "ASCEND_RL_GC_OFF", "bool", False,

@@ -22,8 +22,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 ENABLE = flags.define(
     "ASCEND_RL_ROPE_NO_FLASH_ATTN", "bool", True,

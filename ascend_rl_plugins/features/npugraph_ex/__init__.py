@@ -21,8 +21,8 @@ range is all that would take. Remove when: seed-era forks are no longer of inter
 
 from __future__ import annotations
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 ENABLE = flags.define(
     "ASCEND_RL_NPUGRAPH_EX_FIX", "bool", True,

@@ -14,8 +14,8 @@ import json
 import os
 import threading
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 REPORT_FILE = flags.define(
     "ASCEND_RL_DIAGNOSTICS", "path", "",
@@ -37,7 +37,7 @@ def _report_once() -> None:
         if pid in _reported:
             return
         _reported.add(pid)
-    from ..plugin import activated_by, status
+    from ...plugin import activated_by, status
     record = {"pid": pid, "activated_by": activated_by(), "patches": status()}
     with open(REPORT_FILE.value, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(record) + "\n")

@@ -22,8 +22,8 @@ TP itself).
 
 from __future__ import annotations
 
-from .. import flags
-from ..patching import Feature
+from ... import flags
+from ...patching import Feature
 
 ENABLE = flags.define(
     "ASCEND_RL_HCCL_TP_OP_EXPANSION", "bool", False,
