@@ -16,8 +16,17 @@ from .plugin import activate, status  # noqa: E402
 
 
 def _invoked_as_cli() -> bool:
+    """Is this interpreter running the ``ascend-rl`` command (console script, or
+    ``python -m ascend_rl_plugins``)? Its commands inspect patches and never apply them.
+
+    Decided from how the interpreter was started, never from an environment variable
+    (which would leak into child processes and silently turn activation off there)."""
     prog = _os.path.basename(_sys.argv[0]) if _sys.argv and _sys.argv[0] else ""
-    return prog in ("ascend-rl", "ascend-rl.exe") or _os.environ.get("_ASCEND_RL_CLI") == "1"
+    if prog in ("ascend-rl", "ascend-rl.exe"):
+        return True
+    argv = list(getattr(_sys, "orig_argv", ()))
+    return any(a == "-m" and b in ("ascend_rl_plugins", "ascend_rl_plugins.cli")
+               for a, b in zip(argv, argv[1:])) or "-mascend_rl_plugins" in argv
 
 
 if _os.environ.get("ASCEND_RL_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off") \

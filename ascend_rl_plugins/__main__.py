@@ -1,7 +1,7 @@
-import os
+"""``python -m ascend_rl_plugins ...``: the ``ascend-rl`` command (never applies patches)."""
+
 import sys
 
-os.environ["_ASCEND_RL_CLI"] = "1"
-from ascend_rl_plugins.cli import main  # noqa: E402
+from ascend_rl_plugins.cli import main
 
 sys.exit(main())

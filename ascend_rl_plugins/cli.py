@@ -7,8 +7,6 @@ import json
 import os
 import sys
 
-os.environ["_ASCEND_RL_CLI"] = "1"  # importing the package must not apply patches here
-
 
 def _load() -> None:
     from . import plugin

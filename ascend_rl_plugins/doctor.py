@@ -14,8 +14,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from .patching import static as _static
-from .patching.core import REGISTRY, Patch
+from .patching.core import REGISTRY, Patch, conflict
+from .patching.decision import decide
 
 
 def cache_dir() -> str:
@@ -64,97 +64,42 @@ class Row:
 
 
 def evaluate(p: Patch, roots: Sequence[str] | None = None) -> Row:
-    try:
-        enabled, flag_why = p.flag_state()
-    except Exception as exc:  # a broken condition is reported, not fatal to the report
-        enabled, flag_why = False, f"condition raised {type(exc).__name__}: {exc}"
-    vstate, version, vwhy = p.version_state(roots)
-    res = None
-    where = ""
-    if vstate != "absent":
-        r = _static.resolve_static(p.target, roots)
-        if not r.found and p.kind == "set" and p.create:
-            # the attribute is created by the patch: only its owner has to exist
-            module, qualname = p.target.split(":")
-            owner = qualname.rsplit(".", 1)[0] if "." in qualname else None
-            r = (_static.resolve_static(f"{module}:{owner}", roots) if owner
-                 else _static.StaticResult(_static.module_exists(module, roots), f"module {module} not found",
-                                           _static.locate_module(module, roots)))
-        res = r.found
-        where = r.where() if r.found else r.why
-        if r.found and p.params is not None and r.params is not None and not any(x.startswith("**") for x in r.params):
-            names = {x.lstrip("*") for x in r.params}
-            gone = [x for x in p.params if x.lstrip("*") not in names]
-            if gone:
-                res = False
-                where = f"{r.where()}: parameter(s) {', '.join(gone)} gone (has {', '.join(r.params)})"
-    if vstate == "absent":
-        verdict, problem = f"n/a: {vwhy}", False
-    elif vstate == "outside":
-        if p.fixed_upstream:
-            verdict, problem = f"not needed: {vwhy}", False
-        else:
-            verdict, problem = f"not for this version: {vwhy}", enabled and p.explicitly_enabled()
-    elif not res:
-        verdict, problem = f"TARGET MISSING: {where}", enabled
-    elif enabled:
-        verdict, problem = "will apply", False
-    else:
-        verdict, problem = "off", False
-    return Row(p.feature.name, p.name, p.target, p.kind, p.dist, version, str(p.versions or "any"),
-               enabled, flag_why, vstate, res, where, verdict, problem)
+    """Doctor's row for ``p``: the shared decision, with the target resolved by reading source."""
+    d = decide(p, roots, check_target=True)
+    verdict, problem = d.verdict(p)
+    return Row(p.feature.name, p.name, p.target, p.kind, p.dist, d.version, str(p.versions or "any"),
+               d.flag_on, d.gate_error or d.flag_why, d.version_state, d.target_found, d.target_where,
+               verdict, problem)
 
 
 def find_conflicts(rows: list[Row]) -> list[str]:
+    """Pairs of patches that would both be applied to one target and cannot be composed."""
     by_target: dict[str, list[Patch]] = {}
     for row in rows:
         if row.verdict == "will apply":
             p = REGISTRY.patches[row.patch]
             by_target.setdefault(p.target, []).append(p)
     problems = []
-    for target, ps in by_target.items():
-        replacing = [p.name for p in ps if not p.is_wrapper]
-        if len(replacing) > 1:
-            problems.append(f"{target}: {' and '.join(replacing)} both replace it")
-        wrappers = [p for p in ps if p.is_wrapper]
-        orders = [p.order for p in wrappers]
-        if len(wrappers) > 1 and (None in orders or len(set(orders)) != len(orders)):
-            problems.append(f"{target}: {' and '.join(p.name for p in wrappers)} wrap it without "
-                            f"distinct declared orders")
+    for ps in by_target.values():
+        for i, a in enumerate(ps):
+            for b in ps[i + 1:]:
+                why = conflict(a, b)
+                if why:
+                    problems.append(why)
     return problems
 
 
-_IMPORT_PROBE = r"""
-import importlib, json, os, sys
-os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")
-import ascend_rl_plugins as arp
-from ascend_rl_plugins.patching.core import REGISTRY
-arp.activate("doctor --import")
-errors = {}
-for p in REGISTRY.patches.values():
-    if p.outcome.state == "pending":
-        try:
-            importlib.import_module(p.module)
-        except BaseException as exc:
-            errors[p.name] = f"import of {p.module} failed: {type(exc).__name__}: {str(exc)[:200]}"
-out = []
-for s in arp.status():
-    if s["state"] == "pending" and s["patch"] in errors:
-        s["reason"] = errors[s["patch"]]
-    out.append(s)
-print("@@ASCEND_RL_STATUS@@" + json.dumps(out))
-"""
-
-
 def run_import_probe(python: str | None) -> dict[str, dict]:
+    """Apply everything in a fresh interpreter (``python``, default this one) and return
+    each patch's outcome there (see :mod:`ascend_rl_plugins.doctor_probe`)."""
+    from . import doctor_probe
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu",
                ASCEND_RL_AUTOLOAD="0")
-    env.pop("_ASCEND_RL_CLI", None)
-    proc = subprocess.run([python or sys.executable, "-c", _IMPORT_PROBE], env=env,
+    proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
                           capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
-        if line.startswith("@@ASCEND_RL_STATUS@@"):
-            return {s["patch"]: s for s in json.loads(line[len("@@ASCEND_RL_STATUS@@"):])}
+        if line.startswith(doctor_probe.MARK):
+            return {s["patch"]: s for s in json.loads(line[len(doctor_probe.MARK):])}
     raise RuntimeError(f"the --import probe failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 

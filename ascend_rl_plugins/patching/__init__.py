@@ -3,6 +3,6 @@
 It knows nothing about the features; they import it and declare their patches.
 """
 
-from .core import REGISTRY, ConflictError, Feature, Outcome, Patch, PatchError
+from .core import REGISTRY, ConflictError, Feature, Outcome, Patch, PatchError, Verified
 
-__all__ = ["REGISTRY", "ConflictError", "Feature", "Outcome", "Patch", "PatchError"]
+__all__ = ["REGISTRY", "ConflictError", "Feature", "Outcome", "Patch", "PatchError", "Verified"]

@@ -10,6 +10,7 @@ reverting all of them puts back the very object that was there before.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .. import flags as _flags
+from .decision import decide
+from .targets import split_target
 
 # wrapt (asyncio since 2.x), packaging, importlib.metadata and ast cost ~150 ms together:
 # they are imported only once a patch is actually enabled, so a process that loads the
@@ -57,7 +60,8 @@ class Patch:
     dist: str | None  # None: no distribution gate (e.g. a stdlib target)
     versions_text: str | None  # a packaging specifier; None = any version
     reason: str
-    remove_when: str = ""
+    remove_when: str = ""  # required: the upstream change after which this patch is dead code
+    upstream: str = ""  # link to the upstream issue/PR that would let it be removed, if any
     replaces: str = ""  # the seed patch / upstream issue this stands in for
     fixed_upstream: str = ""  # shown by doctor when the version is outside the range
     enabled_by: Any = None  # Flag | callable() -> bool | None (the feature's flag)
@@ -151,16 +155,42 @@ class NotApplicable:
         return f"{found[0]} {found[1]}: {self.why}"
 
 
+@dataclass(frozen=True)
+class Verified:
+    """Where a feature's behaviour has been checked, by kind of evidence.
+
+    Feeds the status table of the front README, so a user sees at a glance what ran for
+    real and what did not. Empty means "none of this kind"."""
+
+    cpu_runtime: str = ""  # ran for real on CPU against the installed upstream code
+    doubles: str = ""  # ran against a named test double of an uninstallable package
+    static: str = ""  # checked by reading upstream source only
+    npu: str = ""  # ran on an Ascend NPU (where, which stack); "" = never
+
+    def summary(self) -> str:
+        parts = [f"CPU: {self.cpu_runtime}" if self.cpu_runtime else "",
+                 f"doubles: {self.doubles}" if self.doubles else "",
+                 f"static: {self.static}" if self.static else ""]
+        return "; ".join(p for p in parts if p) or "-"
+
+
+_NAME_PART = re.compile(r"[a-z0-9][a-z0-9_]*\Z")
+
+
 class Feature:
     """A named group of patches and flags; a feature module builds one at import."""
 
     def __init__(self, name: str, summary: str, flag: "_flags.Flag | None" = None, *,
-                 replaces: str = "", verified: str = "", stacks: str = ""):
+                 verified: Verified, replaces: str = "", stacks: str = ""):
+        if not _NAME_PART.match(name):
+            raise PatchError(f"feature name {name!r} must be lower_snake_case")
+        if not isinstance(verified, Verified):
+            raise PatchError(f"feature {name}: verified= must be a Verified(...) record")
         self.name = name
         self.summary = summary
         self.flag = flag
         self.replaces = replaces
-        self.verified = verified  # how it is verified here: "runtime on CPU", "static only", ...
+        self.verified = verified
         self.stacks = stacks
         self.patches: list[Patch] = []
         self.not_applicable: list[NotApplicable] = []
@@ -191,12 +221,19 @@ class Feature:
         """Declare a patch; usable as a decorator when ``impl`` is omitted."""
         if kind not in KINDS:
             raise PatchError(f"unknown patch kind {kind!r}; accepted: {', '.join(KINDS)}")
-        _split_target(target)
+        try:
+            split_target(target)
+        except ValueError as exc:
+            raise PatchError(str(exc)) from None
         if not reason:
             raise PatchError(f"patch on {target} needs a reason")
+        if not extra.get("remove_when"):
+            raise PatchError(f"patch on {target} needs remove_when= (the upstream change that "
+                             f"makes it dead code)")
 
         def register(obj: Any) -> Any:
             pname = name or f"{self.name}.{getattr(obj, '__name__', target.split(':')[1].split('.')[-1])}"
+            check_patch_name(pname, self.name)
             p = Patch(pname, target, kind, obj, self, dist, versions, reason, **extra)
             REGISTRY.add_patch(p)
             self.patches.append(p)
@@ -282,17 +319,28 @@ class _Slot:
         return obj
 
 
-def _split_target(target: str) -> tuple[str, str]:
-    if target.count(":") != 1:
-        raise PatchError(f"target {target!r} must look like 'module.path:Qualified.name'")
-    module, qualname = target.split(":")
-    if not all(p.isidentifier() for p in module.split(".") + qualname.split(".")):
-        raise PatchError(f"target {target!r} must look like 'module.path:Qualified.name'")
-    return module, qualname
+def check_patch_name(name: str, feature: str) -> None:
+    """Public patch names are what users type into ASCEND_RL_DISABLE: ``<feature>.<what>``,
+    lower_snake_case, no private-looking parts."""
+    head, _, rest = name.partition(".")
+    if head != feature or not rest or not all(_NAME_PART.match(part) for part in rest.split(".")):
+        raise PatchError(f"patch name {name!r} must be '{feature}.<lower_snake_case>' (users type it "
+                         f"into ASCEND_RL_DISABLE; no leading underscores)")
+
+
+def conflict(a: Patch, b: Patch) -> str | None:
+    """Why ``a`` and ``b`` cannot both be active on one target, or None.
+
+    The one rule: at most one replacement, and wrappers need distinct declared orders."""
+    if not a.is_wrapper and not b.is_wrapper:
+        return f"{a.name} and {b.name} both replace {a.target}"
+    if a.is_wrapper and b.is_wrapper and (a.order is None or b.order is None or a.order == b.order):
+        return f"{a.name} and {b.name} both wrap {a.target} without distinct declared orders"
+    return None
 
 
 def _resolve_runtime(target: str) -> tuple[Any, str, Any, bool]:
-    module_name, qualname = _split_target(target)
+    module_name, qualname = split_target(target)
     parent: Any = sys.modules[module_name]
     parts = qualname.split(".")
     for part in parts[:-1]:
@@ -339,24 +387,13 @@ class Registry:
         old = self.patches.get(p.name)
         if old is not None:
             raise PatchError(f"patch name {p.name!r} is used twice ({old.target} and {p.target})")
-        if not p.is_wrapper:
-            for other in self.patches.values():
-                if (other.target == p.target and not other.is_wrapper
-                        and other.versions_text == p.versions_text):
-                    raise ConflictError(f"patches {other.name} and {p.name} both replace {p.target} "
-                                        f"for the same versions ({p.versions or 'all'})")
+        for other in self.patches.values():
+            # identical ranges can never be told apart at run time: refuse at declaration
+            if other.target == p.target and other.versions_text == p.versions_text:
+                why = conflict(other, p)
+                if why:
+                    raise ConflictError(f"{why} for the same versions ({p.versions or 'all'})")
         self.patches[p.name] = p
-
-    # -- decisions ---------------------------------------------------------------------
-    def decide(self, p: Patch) -> tuple[bool, str]:
-        """Should ``p`` be applied in this process? (no import happens here)"""
-        on, why = p.flag_state()
-        if not on:
-            return False, f"flag off ({why})"
-        vstate, _, vwhy = p.version_state()
-        if vstate != "ok":
-            return False, vwhy
-        return True, why
 
     # -- applying ------------------------------------------------------------------------
     def activate(self, only: Iterable[Patch] | None = None) -> None:
@@ -365,15 +402,12 @@ class Registry:
             for p in list(only if only is not None else self.patches.values()):
                 if p.outcome.state in ("applied", "pending"):
                     continue
-                try:
-                    ok, why = self.decide(p)
-                except _flags.FlagError:
-                    raise
-                except Exception as exc:  # a broken gate must not break the host process
-                    self._fail(p, f"gate raised {type(exc).__name__}: {exc}", exc)
+                d = decide(p)
+                if d.gate_error:  # a broken gate must not break the host process
+                    self._fail(p, d.gate_error)
                     continue
-                if not ok:
-                    p.outcome = Outcome("skipped", why)
+                if not d.apply:
+                    p.outcome = Outcome("skipped", d.reason)
                     continue
                 from . import static as _static
                 if p.module in sys.modules:
@@ -421,12 +455,9 @@ class Registry:
                               f"refusing to stack on an unknown object")
                 return False
             for other in slot.active:
-                if not p.is_wrapper and not other.is_wrapper:
-                    return self._conflict(p, f"{p.name} and {other.name} both replace {p.target}")
-                if p.is_wrapper and other.is_wrapper and (p.order is None or other.order is None
-                                                         or p.order == other.order):
-                    return self._conflict(p, f"{p.name} and {other.name} both wrap {p.target} "
-                                             f"without distinct declared orders")
+                why = conflict(p, other)
+                if why:
+                    return self._conflict(p, why)
             if p.params is not None and callable(raw):
                 missing = _missing_params(raw, p.params)
                 if missing:

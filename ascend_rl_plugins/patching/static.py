@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
+from .targets import split_target
+
 MAX_DEPTH = 6
 
 
@@ -34,15 +36,6 @@ class StaticResult:
         if not self.file:
             return ""
         return f"{self.file}:{self.lineno}" if self.lineno else self.file
-
-
-def split_target(target: str) -> tuple[str, str]:
-    if target.count(":") != 1:
-        raise ValueError(f"target {target!r} must look like 'module.path:Qualified.name'")
-    module, qualname = target.split(":")
-    if not module or not qualname or any(not p.isidentifier() for p in module.split(".") + qualname.split(".")):
-        raise ValueError(f"target {target!r} must look like 'module.path:Qualified.name'")
-    return module, qualname
 
 
 def locate_module(module: str, roots: Sequence[str] | None = None) -> str | None:

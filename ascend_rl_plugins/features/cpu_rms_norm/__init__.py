@@ -18,7 +18,7 @@ Remove when: running vLLM >= 0.23 on CPU (or the kernel honours input strides).
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_CPU_RMS_NORM_FIX", "bool", True,
@@ -29,8 +29,9 @@ ENABLE = flags.define(
 FEATURE = Feature(
     "cpu_rms_norm", "vLLM 0.13 CPU RMSNorm on strided inputs (Qwen3 q/k norm) made correct.",
     flag=ENABLE, replaces="(found here; not in the seeds)",
-    verified="runtime on CPU: the real kernel on a strided view, and a real vLLM 0.13 engine "
-             "against Hugging Face transformers", stacks="recipe")
+    verified=Verified(
+        cpu_runtime="the real vLLM 0.13 CPU kernel on a strided view, and a real vLLM 0.13 engine "
+                    "against Hugging Face transformers"), stacks="recipe")
 
 
 @FEATURE.wrap("vllm.model_executor.layers.layernorm:rms_norm", dist="vllm",

@@ -21,7 +21,7 @@ lazily, when a patched function first runs.
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_CPU_SPEC_DECODE", "bool", True,
@@ -31,7 +31,8 @@ ENABLE = flags.define(
     feature="cpu_spec_decode")
 FEATURE = Feature("cpu_spec_decode", "speculative decoding on a CPU host with stock vLLM",
                   flag=ENABLE, replaces="none (needed to run speculative decoding on CPU)",
-                  verified="runtime on CPU (vLLM 0.13, 0.23)", stacks="recipe, current")
+                  verified=Verified(cpu_runtime="real vLLM engines with speculative decoding (0.13, 0.23)"),
+                  stacks="recipe, current")
 
 
 @FEATURE.replace("vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__", name="cpu_spec_decode.cpu_runner_allows_spec_decode", dist="vllm",

@@ -15,7 +15,7 @@ import os
 import threading
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 REPORT_FILE = flags.define(
     "ASCEND_RL_DIAGNOSTICS", "path", "",
@@ -24,7 +24,8 @@ REPORT_FILE = flags.define(
 
 FEATURE = Feature(
     "diagnostics", "Report from inside the engine which patches are active in which process.",
-    flag=None, verified="runtime on CPU (vLLM 0.13 and 0.23, in-process and multiprocess engine core)",
+    flag=None, verified=Verified(cpu_runtime="real vLLM engines (0.13 and 0.23), in-process and "
+                                            "multiprocess engine core"),
     stacks="recipe, current")
 
 _reported: set[int] = set()

@@ -31,7 +31,7 @@ Remove when: vLLM-Ascend stops/restarts dynamic EPLB around sleep/wake-up itself
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_EPLB", "bool", False,
@@ -46,8 +46,10 @@ WARM_START = flags.define(
 FEATURE = Feature(
     "eplb", "Stop/restart vLLM-Ascend dynamic EPLB around sleep/wake-up; optional warm start.",
     flag=ENABLE, replaces="seed 003 verl 0009-verl-feature-support_EPLB",
-    verified="lifecycle against doubles of the worker/runner/EPLB classes mirroring vLLM-Ascend "
-             "0.13 and 0.23 signatures; hook points statically; warm start in a simulator",
+    verified=Verified(
+        doubles="lifecycle against doubles of the worker/runner/EPLB classes mirroring vLLM-Ascend "
+                "0.13 and 0.23 signatures; warm start in a simulator",
+        static="hook points in vLLM-Ascend 0.13 and 0.23"),
     stacks="recipe, current (vLLM-Ascend not importable on CPU)")
 
 VA_RANGE = ">=0.13,<0.24"

@@ -25,7 +25,7 @@ vLLM-Ascend has that upstream fix.
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_FIA_TND_PADDING", "bool", False,
@@ -36,8 +36,11 @@ ENABLE = flags.define(
 FEATURE = Feature(
     "fia_tnd_padding", "Pad FIA TND actual_seq_lengths(_kv) of the main model in graph updates.",
     flag=ENABLE, replaces="seed 003 vLLM-Ascend 0005-vllm_ascend-bugfix-align_FIA_input_for_TND_layout",
-    verified="padding function property-tested; the real vLLM-Ascend 0.13 _update_attn_fia_params "
-             "(compiled from source) run with torch/torch_npu doubles; hook point statically",
+    verified=Verified(
+        cpu_runtime="padding function property-tested",
+        doubles="the real vLLM-Ascend 0.13 _update_attn_fia_params (compiled from source) with "
+                "torch/torch_npu doubles",
+        static="hook point in vLLM-Ascend 0.13 and 0.23"),
     stacks="recipe (current: fixed upstream)")
 
 

@@ -22,7 +22,7 @@ import logging
 import os
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 log = logging.getLogger("ascend_rl_plugins.flashrl")
 
@@ -45,10 +45,12 @@ LMHEAD_FP32 = flags.define(
 
 FEATURE = Feature("flashrl", "INT8/FP8 W8A8 rollout with online-quantized weight reload (FlashRL)", flag=CONFIG,
                   replaces="seeds 000/001 (flash-llm-rl: flashrl profile/setup, FLASHRL_CONFIG)",
-                  verified="runtime on CPU: vLLM 0.23 real oneDNN int8 kernel; vLLM 0.13 with a torch double "
-                           "of the oneDNN int8 ops missing from its CPU wheel; FP8 on vLLM 0.23 with its "
-                           "capability check doubled; verl 0.9.1's real bucketed update path on vLLM 0.23; "
-                           "vLLM-Ascend static only",
+                  verified=Verified(
+                      cpu_runtime="vLLM 0.23's real oneDNN int8 kernel; verl 0.9.1's real bucketed "
+                                  "update path on vLLM 0.23",
+                      doubles="vLLM 0.13 with a torch double of the oneDNN int8 ops missing from its "
+                              "CPU wheel; FP8 on vLLM 0.23 with its capability check doubled",
+                      static="vLLM-Ascend W8A8 layout hooks (0.13, 0.23)"),
                   stacks="recipe, current")
 
 INDEX_ENV = "_ASCEND_RL_FLASHRL_INDEX"  # the selected config, passed from the engine to its workers

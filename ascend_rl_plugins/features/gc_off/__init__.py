@@ -26,7 +26,7 @@ import gc
 import threading
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_GC_OFF", "bool", False,
@@ -40,7 +40,7 @@ IDLE_COLLECT = flags.define(
 FEATURE = Feature(
     "gc_off", "No automatic garbage collection inside vLLM engine steps (restored after).",
     flag=ENABLE, replaces="seed 003 vLLM 0001-vllm-feature-disable_gc",
-    verified="runtime on CPU in a real vLLM engine (0.13 and 0.23), offline and engine-core paths",
+    verified=Verified(cpu_runtime="real vLLM engines (0.13 and 0.23), offline and engine-core paths"),
     stacks="recipe, current")
 
 VLLM_RANGE = ">=0.13,<0.24"

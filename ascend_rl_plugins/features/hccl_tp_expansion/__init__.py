@@ -23,7 +23,7 @@ TP itself).
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_HCCL_TP_OP_EXPANSION", "bool", False,
@@ -39,9 +39,10 @@ MODE = flags.define(
 FEATURE = Feature(
     "hccl_tp_expansion", "HCCL op-expansion mode for the TP process group only.", flag=ENABLE,
     replaces="seed 003 vLLM-Ascend 0003-vllm_ascend-bugfix-set_hccl_op_expansion_mode",
-    verified="the real vLLM-Ascend create_hccl_pg_options/get_hccl_config_for_pg_options "
-             "(compiled from each version's source) with a torch_npu Options double; "
-             "hook point statically in 0.13 and 0.23",
+    verified=Verified(
+        doubles="the real vLLM-Ascend create_hccl_pg_options/get_hccl_config_for_pg_options "
+                "(compiled from each version's source) with a torch_npu Options double",
+        static="hook point in vLLM-Ascend 0.13 and 0.23"),
     stacks="recipe, current (vLLM-Ascend not importable on CPU)")
 
 TP_GROUP_NAME = "tp"

@@ -31,7 +31,7 @@ from __future__ import annotations
 import weakref
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 STEPS = flags.define(
     "ASCEND_RL_KV_ADMISSION_RESERVE", "int", 0,
@@ -44,8 +44,9 @@ FEATURE = Feature(
     "kv_admission_reserve",
     "Admission keeps KV room for the running requests' growth (no re-admit/re-preempt cycle).",
     flag=STEPS, replaces="(new; measured in the rollout-rebalance simulator)",
-    verified="runtime on CPU in a real vLLM engine (0.13 and 0.23): same greedy outputs, fewer "
-             "preemptions; the admission rule against vLLM's own block arithmetic",
+    verified=Verified(
+        cpu_runtime="real vLLM engines (0.13 and 0.23): same greedy outputs, fewer preemptions; "
+                    "the admission rule against vLLM's own block arithmetic"),
     stacks="recipe, current")
 
 VLLM_RANGE = ">=0.13,<0.24"

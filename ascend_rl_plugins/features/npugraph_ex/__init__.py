@@ -22,7 +22,7 @@ range is all that would take. Remove when: seed-era forks are no longer of inter
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_NPUGRAPH_EX_FIX", "bool", True,
@@ -33,8 +33,9 @@ ENABLE = flags.define(
 FEATURE = Feature(
     "npugraph_ex", "npugraph_ex static-kernel typo fix (fixed upstream; never applied).",
     flag=ENABLE, replaces="seed 003 vLLM-Ascend 0004-vllm_ascend-bugfix-npugraph_ex_static_kernel_typo",
-    verified="static (AST) proof on both vLLM-Ascend sources; replacement checked equal to the "
-             "0.23 function", stacks="none needs it")
+    verified=Verified(static="AST proof on both vLLM-Ascend sources that the typo is fixed; "
+                                       "replacement checked equal to the 0.23 function"),
+    stacks="none needs it")
 
 NO_SUPPORTED_VERSION = ">=0.13,<0.13"  # empty on purpose
 

@@ -27,7 +27,7 @@ lazily, when a patched function first runs.
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_ROLLOUT_REBALANCE", "bool", False,
@@ -55,8 +55,9 @@ LOG = flags.define(
 FEATURE = Feature("rollout_rebalance",
                   "move unfinished requests (with KV) between DP ranks in the rollout long tail",
                   flag=ENABLE, replaces="seed 003 verl 0011 (features/rollout_optimize)",
-                  verified="runtime on CPU: 2 real vLLM engines + gloo (vLLM 0.13, 0.23); "
-                           "planner property tests; protocol on 2-4 gloo processes",
+                  verified=Verified(
+                      cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23); planner "
+                                  "property tests; protocol on 2-4 gloo processes"),
                   stacks="recipe, current")
 
 _WHY_STEP = ("a rebalance round must run between two engine steps, when the scheduler, block "

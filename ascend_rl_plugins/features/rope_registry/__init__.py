@@ -23,7 +23,7 @@ import importlib.util
 import sys
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_ROPE_NO_FLASH_ATTN", "bool", True,
@@ -34,8 +34,10 @@ ENABLE = flags.define(
 FEATURE = Feature(
     "rope_registry", "Do not pick the flash_attn Triton rotary kernel on NPU.", flag=ENABLE,
     replaces="seed 003 vLLM 0003-vllm-bugfix-rope_registry",
-    verified="runtime on CPU with a torch.npu double and a flash_attn double package (real "
-             "ApplyRotaryEmb, real engine on vLLM 0.13)", stacks="recipe, current")
+    verified=Verified(
+        cpu_runtime="real ApplyRotaryEmb and a real vLLM 0.13 engine",
+        doubles="a torch.npu double and a flash_attn double package"),
+    stacks="recipe, current")
 
 HIDDEN_PACKAGE = "flash_attn"
 

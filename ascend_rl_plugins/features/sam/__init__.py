@@ -23,7 +23,7 @@ submodules, lazily, when a patched function first runs.
 from __future__ import annotations
 
 from ... import flags
-from ...patching import Feature
+from ...patching import Feature, Verified
 
 ENABLE = flags.define(
     "ASCEND_RL_SAM", "bool", True,
@@ -54,8 +54,11 @@ RECENT_LEN = flags.define(
     minimum=1, maximum=4096, feature="sam")
 FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
                   flag=ENABLE, replaces="seed 003 vllm 0002, vllm_ascend 0001/0002",
-                  verified="runtime on CPU (vLLM 0.13, 0.23); vLLM-Ascend selection against a "
-                           "runner double", stacks="recipe, current")
+                  verified=Verified(
+                      cpu_runtime="real vLLM engines (0.13, 0.23) with the SAM drafter",
+                      doubles="vLLM-Ascend proposer selection against a runner double",
+                      static="vLLM-Ascend hook points (0.13, 0.23)"),
+                  stacks="recipe, current")
 
 _VLLM = ">=0.13,<0.24"
 
