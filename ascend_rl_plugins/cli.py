@@ -30,9 +30,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         title = f"ascend-rl doctor: stack {path}"
     rows, conflicts = doctor.diagnose(roots, python, args.do_import)
     notes = doctor.feature_notes(roots)
+    if args.removal:
+        ledger = doctor.removal_ledger(rows)
+        if args.json:
+            print(json.dumps({"title": title, "removal": ledger}, indent=2))
+        else:
+            doctor.render_removal(ledger, title)
+        return 0
     if args.json:
+        from . import plugin
         print(json.dumps({"title": title, "patches": [r.as_dict() for r in rows],
-                          "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes]},
+                          "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes],
+                          # the CLI inspects, never applies: both stay empty (tests hold it to that)
+                          "activated_in_this_process": plugin.activated_by(),
+                          "applied_in_this_process": [s["patch"] for s in plugin.status()
+                                                      if s["state"] in ("applied", "pending")]},
                          indent=2))
     else:
         doctor.render(rows, conflicts, title, notes=notes)
@@ -74,17 +86,27 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 2 if bad else 0
 
 
+def _stacks(names: list[str]) -> dict[str, list[str]]:
+    from . import doctor
+    return {os.path.basename(n.rstrip("/")): doctor.stack_roots(n)[1] for n in names}
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     from . import doctor
+    print(doctor.markdown_table(_stacks(args.stacks)))
+    return 0
 
-    stacks = {}
-    for name in args.stacks:
-        _, roots, _ = doctor.stack_roots(name)
-        stacks[os.path.basename(name.rstrip("/"))] = roots
-    if args.features:
-        print(doctor.markdown_features())
-    else:
-        print(doctor.markdown_table(stacks))
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    from . import docs
+    repo = os.path.abspath(args.repo)
+    stacks = _stacks(args.stacks) if args.stacks else None
+    out = docs.stale(repo, stacks, write=args.write)
+    for path in out:
+        print(("rewrote " if args.write else "stale: ") + os.path.relpath(path, repo))
+    if out and not args.write:
+        print("regenerate with: ascend-rl docs --write" + (" --stacks " + " ".join(args.stacks) if args.stacks else ""))
+        return 1
     return 0
 
 
@@ -97,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--import", dest="do_import", action="store_true",
                    help="also apply everything in a fresh process and report the outcome")
     d.add_argument("--python", help="interpreter for --import (default: the stack's venv or this one)")
+    d.add_argument("--removal", action="store_true",
+                   help="the removal ledger: when each patch becomes dead code, the upstream "
+                        "issue/PR, and whether this stack still needs it")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("env", help="every flag: value, source and meaning")
@@ -104,8 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_env)
     c = sub.add_parser("conformance", help="markdown table of every patch against named stacks")
     c.add_argument("stacks", nargs="*", default=["recipe", "current"], help="stack names or directories")
-    c.add_argument("--features", action="store_true", help="print the README feature table instead")
     c.set_defaults(func=cmd_conformance)
+    g = sub.add_parser("docs", help="check (or --write) the READMEs' generated tables: feature status, "
+                                    "flags, per-stack conformance")
+    g.add_argument("--write", action="store_true", help="rewrite stale blocks instead of failing")
+    g.add_argument("--stacks", nargs="*", default=None,
+                   help="also the conformance blocks, against these stacks (names or directories)")
+    g.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   help="the repository whose README.md is the front page (default: this checkout)")
+    g.set_defaults(func=cmd_docs)
     # feature commands (e.g. `ascend-rl flashrl ...`): a feature module exposes register_cli
     from . import features
     import importlib

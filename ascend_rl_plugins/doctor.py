@@ -162,7 +162,7 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
     for r in rows:
         style = "red" if r.problem else ("green" if r.verdict == "will apply" else None)
         found = "-" if r.resolves is None else ("yes" if r.resolves else "NO")
-        cells = [r.feature, r.patch.split(".", 1)[-1], r.target, r.version or "-", r.supported,
+        cells = [r.feature, r.patch, r.target, r.version or "-", r.supported,
                  r.flag, found, r.verdict]
         if show_runtime:
             cells.append(r.runtime)
@@ -177,6 +177,49 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
     bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes)
     will = sum(r.verdict == "will apply" for r in rows)
     console.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")
+    console.print("Leave any patch or whole feature unapplied with ASCEND_RL_DISABLE=<patch or feature>[,...] "
+                  "(names as in the 'patch' and 'feature' columns); `ascend-rl doctor --removal` says when "
+                  "each patch can go.", highlight=False)
+
+
+def removal_ledger(rows: Sequence[Row]) -> list[dict]:
+    """For every patch: what makes it dead code, the upstream link, and whether the stack
+    the rows were computed for still needs it."""
+    out = []
+    for r in sorted(rows, key=lambda r: r.patch):
+        p = REGISTRY.patches[r.patch]
+        if r.version_state == "absent":
+            here = f"n/a ({p.dist} absent)"
+        elif r.version_state == "outside":
+            here = f"not needed on {r.version}" + (f" (fixed upstream: {p.fixed_upstream})" if p.fixed_upstream else "")
+        else:
+            here = f"needed on {r.version}"
+        out.append({"patch": p.name, "remove_when": p.remove_when, "upstream": p.upstream or "",
+                    "replaces": p.replaces, "this_stack": here})
+    return out
+
+
+def render_removal(ledger: Sequence[dict], title: str, stream=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=stream or sys.stdout, width=200)
+    table = Table(title=f"{title}: removal ledger")
+    for col in ("patch", "remove when", "upstream issue/PR", "this stack"):
+        table.add_column(col, overflow="fold")
+    for e in ledger:
+        table.add_row(e["patch"], e["remove_when"], e["upstream"] or "-", e["this_stack"])
+    console.print(table)
+
+
+def conformance_cell(p: Patch, roots: Sequence[str]) -> str:
+    """What happens to ``p`` on the stack at ``roots``, in a few words (conformance tables)."""
+    r = evaluate(p, roots)
+    if r.version_state == "absent":
+        return f"n/a ({p.dist} absent)"
+    if r.version_state == "outside":
+        return ("fixed upstream" if p.fixed_upstream else "outside range") + f" ({r.version})"
+    return f"resolves ({r.version})" if r.resolves else f"**missing** ({r.version})"
 
 
 def markdown_table(stacks: dict[str, Sequence[str]]) -> str:
@@ -185,29 +228,6 @@ def markdown_table(stacks: dict[str, Sequence[str]]) -> str:
     lines = ["| feature | patch | target | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]
     for p in sorted(REGISTRY.patches.values(), key=lambda p: (p.feature.name, p.name)):
-        cells = []
-        for n in names:
-            r = evaluate(p, stacks[n])
-            if r.version_state == "absent":
-                cells.append(f"n/a ({p.dist} absent)")
-            elif r.version_state == "outside":
-                cells.append(("fixed upstream" if p.fixed_upstream else "outside range") + f" ({r.version})")
-            else:
-                cells.append(f"resolves ({r.version})" if r.resolves else f"**missing** ({r.version})")
+        cells = [conformance_cell(p, stacks[n]) for n in names]
         lines.append(f"| {p.feature.name} | `{p.name}` | `{p.target}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def markdown_features() -> str:
-    """Feature table: name, flags, what it replaces, stacks, how it is verified here."""
-    from . import flags as _flags
-    lines = ["| feature | flags | what it replaces | stacks where it applies | how it is verified here |",
-             "|---|---|---|---|---|"]
-    for name in sorted(REGISTRY.features):
-        f = REGISTRY.features[name]
-        names = [fl.name for fl in _flags.all_flags() if fl.feature == name]
-        if f.flag is not None and f.flag.name not in names:
-            names.insert(0, f.flag.name)
-        lines.append(f"| {name} | {', '.join(f'`{n}`' for n in names) or '-'} | {f.replaces or '-'} | "
-                     f"{f.stacks or '-'} | {f.verified or '-'} |")
     return "\n".join(lines)

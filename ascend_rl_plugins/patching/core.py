@@ -388,8 +388,10 @@ class Registry:
         if old is not None:
             raise PatchError(f"patch name {p.name!r} is used twice ({old.target} and {p.target})")
         for other in self.patches.values():
-            # identical ranges can never be told apart at run time: refuse at declaration
-            if other.target == p.target and other.versions_text == p.versions_text:
+            # two replacements for identical ranges can never both be right: refuse at
+            # declaration (wrappers may be gated apart by flags: checked when applied)
+            if (other.target == p.target and other.versions_text == p.versions_text
+                    and not (p.is_wrapper or other.is_wrapper)):
                 why = conflict(other, p)
                 if why:
                     raise ConflictError(f"{why} for the same versions ({p.versions or 'all'})")

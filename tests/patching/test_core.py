@@ -12,13 +12,13 @@ import zipfile
 import pytest
 
 from ascend_rl_plugins import flags
-from ascend_rl_plugins.patching import REGISTRY, ConflictError, Feature, PatchError
+from ascend_rl_plugins.patching import REGISTRY, ConflictError, Feature, PatchError, Verified
 
 pytestmark = pytest.mark.forked
 
 
 def _feature(name="t"):
-    return Feature(name, "test feature")
+    return Feature(name, "test feature", verified=Verified())
 
 
 def test_wrap_changes_behaviour_and_revert_restores_the_exact_object():
@@ -26,7 +26,7 @@ def test_wrap_changes_behaviour_and_revert_restores_the_exact_object():
     f = _feature()
     calls = []
 
-    @f.wrap("textwrap:dedent", dist=None, reason="test")
+    @f.wrap("textwrap:dedent", dist=None, reason="test", remove_when="never")
     def shout(wrapped, instance, args, kwargs):
         calls.append(args)
         return wrapped(*args, **kwargs).upper()
@@ -45,7 +45,7 @@ def test_apply_is_idempotent():
     f = _feature()
     count = []
 
-    @f.wrap("textwrap:indent", dist=None, reason="test")
+    @f.wrap("textwrap:indent", dist=None, reason="test", remove_when="never")
     def counted(wrapped, instance, args, kwargs):
         count.append(1)
         return wrapped(*args, **kwargs)
@@ -64,7 +64,7 @@ def test_from_import_copies_are_rebound_and_restored(tmp_path, monkeypatch):
     consumer = importlib.import_module("consumer_of_dedent")
     original = textwrap.dedent
     f = _feature()
-    f.replace("textwrap:dedent", lambda text: "replaced", dist=None, reason="test", name="t.repl")
+    f.replace("textwrap:dedent", lambda text: "replaced", dist=None, reason="test", remove_when="never", name="t.repl")
     REGISTRY.activate()
     assert consumer.dedent("  x") == "replaced"
     REGISTRY.revert(REGISTRY.patches["t.repl"])
@@ -76,11 +76,11 @@ def test_staticmethod_and_classmethod_kinds_survive_patching_and_revert():
     raw_class = vars(zipfile.ZipInfo)["from_file"]
     f = _feature()
 
-    @f.replace("zipfile:CompleteDirs._implied_dirs", dist=None, reason="test")
+    @f.replace("zipfile:CompleteDirs._implied_dirs", dist=None, reason="test", remove_when="never")
     def implied(names):
         return ["only/"]
 
-    @f.after("zipfile:ZipInfo.from_file", dist=None, reason="test")
+    @f.after("zipfile:ZipInfo.from_file", dist=None, reason="test", remove_when="never")
     def tag(result, instance, args, kwargs):
         result.comment = b"patched"
         return result
@@ -97,7 +97,7 @@ def test_staticmethod_and_classmethod_kinds_survive_patching_and_revert():
 def test_inherited_method_is_patched_on_the_subclass_only_and_removed_on_revert():
     assert "open" not in vars(zipfile.PyZipFile)
     f = _feature()
-    f.before("zipfile:PyZipFile.open", lambda instance, args, kwargs: None, dist=None, reason="test",
+    f.before("zipfile:PyZipFile.open", lambda instance, args, kwargs: None, dist=None, reason="test", remove_when="never",
              name="t.open")
     REGISTRY.activate()
     assert "open" in vars(zipfile.PyZipFile)
@@ -110,9 +110,9 @@ def test_before_can_rewrite_arguments_and_after_can_rewrite_results():
     import json
     f = _feature()
     f.before("json:loads", lambda instance, args, kwargs: (('{"a": 2}',), kwargs), dist=None,
-             reason="test", name="t.b")
+             reason="test", remove_when="never", name="t.b")
     f.after("json:dumps", lambda result, instance, args, kwargs: result + "!", dist=None,
-            reason="test", name="t.a")
+            reason="test", remove_when="never", name="t.a")
     REGISTRY.activate()
     assert json.loads('{"a": 1}') == {"a": 2}
     assert json.dumps(1) == "1!"
@@ -120,33 +120,33 @@ def test_before_can_rewrite_arguments_and_after_can_rewrite_results():
 
 def test_two_replacements_of_one_target_conflict_naming_both():
     f = _feature()
-    f.replace("textwrap:shorten", lambda *a, **k: "a", dist=None, reason="test", name="t.first")
+    f.replace("textwrap:shorten", lambda *a, **k: "a", dist=None, reason="test", remove_when="never", name="t.first")
     with pytest.raises(ConflictError, match=r"t\.first.*t\.second"):
-        f.replace("textwrap:shorten", lambda *a, **k: "b", dist=None, reason="test", name="t.second")
+        f.replace("textwrap:shorten", lambda *a, **k: "b", dist=None, reason="test", remove_when="never", name="t.second")
 
 
 def test_replacements_with_different_ranges_conflict_when_both_apply():
     f = _feature()
     f.replace("textwrap:shorten", lambda *a, **k: "a", dist="packaging", versions=">=1",
-              reason="test", name="t.first")
+              reason="test", remove_when="never", name="t.first")
     f.replace("textwrap:shorten", lambda *a, **k: "b", dist="packaging", versions=">=2",
-              reason="test", name="t.second")
+              reason="test", remove_when="never", name="t.second")
     with pytest.raises(ConflictError, match=r"t\.second and t\.first both replace"):
         REGISTRY.activate()
 
 
 def test_wrappers_need_distinct_orders_and_compose_inner_to_outer():
     f = _feature()
-    f.wrap("textwrap:fill", lambda w, i, a, k: "(" + w(*a, **k) + ")", dist=None, reason="t",
+    f.wrap("textwrap:fill", lambda w, i, a, k: "(" + w(*a, **k) + ")", dist=None, reason="t", remove_when="never",
            name="t.inner", order=1)
-    f.wrap("textwrap:fill", lambda w, i, a, k: "[" + w(*a, **k) + "]", dist=None, reason="t",
+    f.wrap("textwrap:fill", lambda w, i, a, k: "[" + w(*a, **k) + "]", dist=None, reason="t", remove_when="never",
            name="t.outer", order=2)
     REGISTRY.activate()
     assert textwrap.fill("x") == "[(x)]"
     # reverting the inner one keeps the outer one working on the original
     REGISTRY.revert(REGISTRY.patches["t.inner"])
     assert textwrap.fill("x") == "[x]"
-    f.wrap("textwrap:fill", lambda w, i, a, k: w(*a, **k), dist=None, reason="t", name="t.noorder")
+    f.wrap("textwrap:fill", lambda w, i, a, k: w(*a, **k), dist=None, reason="t", remove_when="never", name="t.noorder")
     with pytest.raises(ConflictError, match=r"t\.noorder and t\.outer both wrap"):
         REGISTRY.activate()
 
@@ -155,7 +155,7 @@ def test_lazy_application_waits_for_the_import():
     if "tabnanny" in sys.modules:
         pytest.skip("tabnanny already imported in this process")
     f = _feature()
-    f.after("tabnanny:errprint", lambda result, i, a, k: "patched", dist=None, reason="t",
+    f.after("tabnanny:errprint", lambda result, i, a, k: "patched", dist=None, reason="t", remove_when="never",
             name="t.lazy")
     REGISTRY.activate()
     p = REGISTRY.patches["t.lazy"]
@@ -170,14 +170,14 @@ def test_version_gate_uses_the_installed_distribution():
     from importlib.metadata import version
     installed = version("packaging")
     f = _feature()
-    f.after("textwrap:wrap", lambda r, i, a, k: r, dist="packaging", versions="<1", reason="t",
+    f.after("textwrap:wrap", lambda r, i, a, k: r, dist="packaging", versions="<1", reason="t", remove_when="never",
             name="t.old")
-    f.after("textwrap:wrap", lambda r, i, a, k: r, dist="packaging", versions="<1", reason="t",
+    f.after("textwrap:wrap", lambda r, i, a, k: r, dist="packaging", versions="<1", reason="t", remove_when="never",
             name="t.fixed", fixed_upstream="packaging 1.0", order=1)
-    f.after("textwrap:wrap", lambda r, i, a, k: r, dist="no-such-dist-xyz", reason="t",
+    f.after("textwrap:wrap", lambda r, i, a, k: r, dist="no-such-dist-xyz", reason="t", remove_when="never",
             name="t.absent", order=2)
     f.after("textwrap:wrap", lambda r, i, a, k: r, dist="packaging", versions=f"=={installed}",
-            reason="t", name="t.ok", order=3)
+            reason="t", remove_when="never", name="t.ok", order=3)
     REGISTRY.activate()
     st = {p.name: p.outcome for p in f.patches}
     assert st["t.old"].state == "skipped" and "outside supported range <1" in st["t.old"].reason
@@ -188,9 +188,9 @@ def test_version_gate_uses_the_installed_distribution():
 
 def test_flag_gates_and_disable_list(monkeypatch):
     gate = flags.define("ASCEND_RL_TESTGATE", "bool", False, "test gate", feature="t")
-    f = Feature("t", "test", flag=gate)
-    f.after("textwrap:wrap", lambda r, i, a, k: r, dist=None, reason="t", name="t.gated")
-    f.after("textwrap:fill", lambda r, i, a, k: r, dist=None, reason="t", name="t.listed",
+    f = Feature("t", "test", flag=gate, verified=Verified())
+    f.after("textwrap:wrap", lambda r, i, a, k: r, dist=None, reason="t", remove_when="never", name="t.gated")
+    f.after("textwrap:fill", lambda r, i, a, k: r, dist=None, reason="t", remove_when="never", name="t.listed",
             enabled_by=lambda: True)
     monkeypatch.setenv("ASCEND_RL_DISABLE", "t.listed")
     flags.reset_cache()
@@ -201,7 +201,7 @@ def test_flag_gates_and_disable_list(monkeypatch):
 
 def test_missing_target_warns_by_default_and_raises_under_strict(monkeypatch, caplog):
     f = _feature()
-    f.after("textwrap:no_such_function", lambda r, i, a, k: r, dist=None, reason="t", name="t.gone")
+    f.after("textwrap:no_such_function", lambda r, i, a, k: r, dist=None, reason="t", remove_when="never", name="t.gone")
     with caplog.at_level(logging.WARNING, logger="ascend_rl_plugins"):
         REGISTRY.activate()
     p = REGISTRY.patches["t.gone"]
@@ -216,14 +216,14 @@ def test_missing_target_warns_by_default_and_raises_under_strict(monkeypatch, ca
 
 def test_missing_module_is_reported_without_waiting_forever():
     f = _feature()
-    f.after("json.no_such_module:thing", lambda r, i, a, k: r, dist=None, reason="t", name="t.nomod")
+    f.after("json.no_such_module:thing", lambda r, i, a, k: r, dist=None, reason="t", remove_when="never", name="t.nomod")
     REGISTRY.activate()
     assert "does not exist" in REGISTRY.patches["t.nomod"].outcome.reason
 
 
 def test_declared_parameters_are_checked_before_applying():
     f = _feature()
-    f.wrap("textwrap:indent", lambda w, i, a, k: w(*a, **k), dist=None, reason="t", name="t.sig",
+    f.wrap("textwrap:indent", lambda w, i, a, k: w(*a, **k), dist=None, reason="t", remove_when="never", name="t.sig",
            params=("text", "prefix", "no_such_param"))
     REGISTRY.activate()
     p = REGISTRY.patches["t.sig"]
@@ -232,7 +232,7 @@ def test_declared_parameters_are_checked_before_applying():
 
 def test_revert_refuses_when_someone_else_replaced_the_target():
     f = _feature()
-    f.wrap("textwrap:shorten", lambda w, i, a, k: w(*a, **k), dist=None, reason="t", name="t.w")
+    f.wrap("textwrap:shorten", lambda w, i, a, k: w(*a, **k), dist=None, reason="t", remove_when="never", name="t.w")
     REGISTRY.activate()
     textwrap.shorten = lambda *a, **k: "theirs"
     with pytest.raises(PatchError, match="someone else"):
@@ -245,7 +245,7 @@ def test_a_failing_gate_is_recorded_not_raised():
     def broken_gate():
         raise RuntimeError("boom")
 
-    f.after("textwrap:wrap", lambda r, i, a, k: r, dist=None, reason="t", name="t.broken",
+    f.after("textwrap:wrap", lambda r, i, a, k: r, dist=None, reason="t", remove_when="never", name="t.broken",
             enabled_by=broken_gate)
     REGISTRY.activate()
     p = REGISTRY.patches["t.broken"]
@@ -254,7 +254,7 @@ def test_a_failing_gate_is_recorded_not_raised():
 
 def test_set_attribute_creates_and_revert_removes():
     f = _feature()
-    f.set("textwrap:ASCEND_RL_MARKER", 42, create=True, dist=None, reason="t", name="t.set")
+    f.set("textwrap:ASCEND_RL_MARKER", 42, create=True, dist=None, reason="t", remove_when="never", name="t.set")
     REGISTRY.activate()
     assert textwrap.ASCEND_RL_MARKER == 42
     REGISTRY.revert_all()
@@ -264,9 +264,9 @@ def test_set_attribute_creates_and_revert_removes():
 def test_bad_target_and_kind_are_rejected_at_declaration():
     f = _feature()
     with pytest.raises(PatchError, match="module.path:Qualified.name"):
-        f.wrap("textwrap.dedent", lambda *a: None, dist=None, reason="t")
+        f.wrap("textwrap.dedent", lambda *a: None, dist=None, reason="t", remove_when="never")
     with pytest.raises(PatchError, match="unknown patch kind"):
-        f.patch("monkey", "textwrap:dedent", lambda *a: None, dist=None, reason="t")
+        f.patch("monkey", "textwrap:dedent", lambda *a: None, dist=None, reason="t", remove_when="never")
     with pytest.raises(PatchError, match="needs a reason"):
         f.wrap("textwrap:dedent", lambda *a: None, dist=None, reason="")
 
@@ -279,7 +279,7 @@ def test_lazy_application_on_a_real_vllm_module():
     f = _feature()
     seen = []
     f.before(f"{mod}:FCFSRequestQueue.add_request", lambda i, a, k: seen.append(a) and None,
-             dist="vllm", versions=">=0.13,<0.24", reason="t", name="t.vllm", params=("request",))
+             dist="vllm", versions=">=0.13,<0.24", reason="t", remove_when="never", name="t.vllm", params=("request",))
     REGISTRY.activate()
     assert REGISTRY.patches["t.vllm"].outcome.state == "pending"
     q = importlib.import_module(mod).FCFSRequestQueue()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ascend_rl_plugins.doctor import cache_dir
+from tests.support.stacks import require_stack
 
 
 def _cli(*args, env=None):
@@ -18,14 +18,9 @@ def _cli(*args, env=None):
                           text=True, env=full, timeout=600)
 
 
-def _built(name):
-    if not os.path.isdir(os.path.join(cache_dir(), "stacks", name, "src")):
-        pytest.skip(f"stack {name} not built")
-
-
 @pytest.mark.parametrize("stack", ["recipe", "current"])
 def test_doctor_against_a_stack_reports_every_patch(stack):
-    _built(stack)
+    require_stack(stack)
     proc = _cli("doctor", "--stack", stack, "--json", env={"ASCEND_RL_DIAGNOSTICS": "/tmp/x"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
@@ -91,12 +86,12 @@ def test_env_lists_every_flag_with_value_and_source():
 @pytest.mark.forked
 def test_doctor_treats_created_attributes_as_resolvable(tmp_path):
     from ascend_rl_plugins.doctor import evaluate
-    from ascend_rl_plugins.patching import Feature
-    f = Feature("t_created", "test")
+    from ascend_rl_plugins.patching import Feature, Verified
+    f = Feature("t_created", "test", verified=Verified())
     p = f.set("textwrap:ASCEND_RL_NEW_ATTR", 1, create=True, dist=None, reason="t", remove_when="t",
               name="t_created.attr")
     assert evaluate(p).resolves
-    q = f.set("textwrap:TextWrapper.ascend_rl_new", 1, create=True, dist=None, reason="t",
+    q = f.set("textwrap:TextWrapper.ascend_rl_new", 1, create=True, dist=None, reason="t", 
               remove_when="t", name="t_created.cls_attr")
     assert evaluate(q).resolves
     r = f.set("textwrap:NoSuchClass.attr", 1, create=True, dist=None, reason="t", remove_when="t",
@@ -130,12 +125,12 @@ def test_doctor_says_when_a_feature_does_not_apply_to_the_stack(tmp_path):
 
 
 def test_does_not_apply_is_checked_at_declaration():
-    from ascend_rl_plugins.patching.core import Feature, PatchError, REGISTRY
-    f = Feature("_doctor_test_feature", "test")
+    from ascend_rl_plugins.patching.core import REGISTRY, Feature, PatchError, Verified
+    f = Feature("doctor_test_feature", "test", verified=Verified())
     try:
         with pytest.raises(Exception, match="specifier|Invalid"):
             f.does_not_apply(dist="verl", versions="0.9 or so", why="x")
         with pytest.raises(PatchError, match="reason"):
             f.does_not_apply(dist="verl", versions=">=0.9", why="")
     finally:
-        REGISTRY.features.pop("_doctor_test_feature", None)
+        REGISTRY.features.pop("doctor_test_feature", None)
