@@ -48,7 +48,7 @@ def per_call_ns() -> list[tuple[str, float]]:
     import types
 
     os.environ["ASCEND_RL_AUTOLOAD"] = "0"
-    from ascend_rl_plugins.patching import REGISTRY, Feature
+    from ascend_rl_plugins.patching import REGISTRY, Feature, Verified
 
     mod = types.ModuleType("bench_target")
     exec("def f(x):\n    return x\n\nclass C:\n    def m(self, x):\n        return x\n", mod.__dict__)
@@ -58,7 +58,7 @@ def per_call_ns() -> list[tuple[str, float]]:
     obj = mod.C()
     base_m = min(timeit.repeat(lambda: obj.m(1), number=n, repeat=5)) / n * 1e9
     rows = [("plain function", base_f, 1.0), ("plain method", base_m, 1.0)]
-    feature = Feature("bench", "benchmark")
+    feature = Feature("bench", "benchmark", verified=Verified())
     cases = [
         ("wrap (function)", "bench_target:f", "wrap", lambda w, i, a, k: w(*a, **k), lambda: mod.f(1), base_f),
         ("before (function)", "bench_target:f", "before", lambda i, a, k: None, lambda: mod.f(1), base_f),
@@ -66,7 +66,8 @@ def per_call_ns() -> list[tuple[str, float]]:
         ("wrap (method)", "bench_target:C.m", "wrap", lambda w, i, a, k: w(*a, **k), lambda: obj.m(1), base_m),
     ]
     for i, (label, target, kind, impl, call, base) in enumerate(cases):
-        p = feature.patch(kind, target, impl, dist=None, reason="bench", name=f"bench.{i}")
+        p = feature.patch(kind, target, impl, dist=None, reason="bench", remove_when="never",
+                          name=f"bench.case_{i}")
         REGISTRY.apply(p)
         t = min(timeit.repeat(call, number=n, repeat=5)) / n * 1e9
         REGISTRY.revert(p)

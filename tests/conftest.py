@@ -3,14 +3,15 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")  # tests activate explicitly, in subprocesses
+sys.path.insert(0, os.path.dirname(__file__))  # TRANSITIONAL: legacy `from helpers import`; removed with tests/helpers.py
 
-from helpers import stack_name, vllm_version  # noqa: E402
+os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")  # tests activate explicitly, in child processes
+
+from tests.support.stacks import running_stack, vllm_version  # noqa: E402
 
 
 def pytest_report_header(config):
-    return f"ascend-rl stack: {stack_name() or 'none'} (vLLM {vllm_version() or 'not installed'})"
+    return f"ascend-rl stack: {running_stack() or 'none'} (vLLM {vllm_version() or 'not installed'})"
 
 
 @pytest.fixture(scope="session")
@@ -19,5 +20,3 @@ def tiny_model_path():
     pytest.importorskip("transformers")
     from ascend_rl_plugins.devtools import tiny_qwen3
     return tiny_qwen3.cached()
-
-
