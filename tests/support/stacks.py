@@ -72,3 +72,16 @@ def running_stack() -> str | None:
     if v is None:
         return None
     return "recipe" if v.startswith("0.13") else "current" if v.startswith("0.23") else None
+
+
+def mindspeed_source() -> str:
+    """The ``mindspeed`` package sources to check MindSpeed patches against (MindSpeed is not
+    on the package registry): ``$MINDSPEED_SRC`` if set (a user's checkout: the directory
+    holding the ``mindspeed`` package), else the reference copy at commit 028de58 that sits
+    next to this repository in ``../shared/reference/``; skips when neither exists."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("MINDSPEED_SRC") or os.path.join(os.path.dirname(repo), "shared", "reference",
+                                                           "mindspeed-028de58")
+    if not os.path.isdir(os.path.join(path, "mindspeed")):
+        pytest.skip(f"no MindSpeed sources at {path} (set MINDSPEED_SRC to a MindSpeed checkout)")
+    return path
