@@ -26,6 +26,8 @@ from ascend_rl_plugins.features.eplb.placement import (  # noqa: E402
 
 
 def main() -> None:
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:  # the machine, as lscpu names it
+        cpu_model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "?")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=12)
     ap.add_argument("--iterations", type=int, default=120)
@@ -37,7 +39,8 @@ def main() -> None:
     args = ap.parse_args()
 
     print(f"# EPLB warm-start simulation, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-          f"python {sys.version.split()[0]}, numpy {np.__version__}")
+          f"python {sys.version.split()[0]}, numpy {np.__version__}, {cpu_model}")
+    print("# command: python " + " ".join(sys.argv))
     base = TraceConfig(num_experts=args.experts, num_devices=args.devices,
                        slots_per_device=args.experts // args.devices + 1, num_layers=args.layers,
                        rollouts=args.rollouts, iterations=args.iterations, seed=args.seed)

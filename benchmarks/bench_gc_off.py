@@ -4,9 +4,10 @@ Many concurrent long requests keep the batch full; every ``LLMEngine.step`` is t
 gc.callbacks count the collections (young = generations 0/1, full = 2) and the time the
 collector spent while a step ran. Rounds alternate baseline / gc-off on the *same* engine
 (the gc_off patches are reverted and re-applied between rounds, and the engine core's
-bound ``step_fn`` is rebound like a fresh engine would), so machine noise hits both.
+bound ``step_fn`` is rebound like a fresh engine would; the order flips every round), so
+machine noise and warm-up effects hit both.
 
-    python benchmarks/bench_gc_off.py [--requests 48] [--prompt-len 64] [--max-tokens 96] [--rounds 2]
+    python benchmarks/bench_gc_off.py [--requests 48] [--prompt-len 64] [--max-tokens 96] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def percentile(values, q):
 
 
 def main() -> None:
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:  # the machine, as lscpu names it
+        cpu_model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "?")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=48, help="concurrent requests (= max_num_seqs)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96, help="generated tokens per request")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per mode (alternating)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per mode (alternating)")
     args = ap.parse_args()
 
     from ascend_rl_plugins import plugin
@@ -111,7 +114,7 @@ def main() -> None:
     run_round("warmup")  # torch.compile of the sampler etc.
     results = {False: [[], 0, 0, 0.0], True: [[], 0, 0, 0.0]}
     for r in range(args.rounds):
-        for mode in (False, True):
+        for mode in ((False, True) if r % 2 == 0 else (True, False)):  # neither mode always goes first
             set_mode(mode)
             times, young, full, gc_s = run_round(f"r{r}-{int(mode)}")
             acc = results[mode]
@@ -120,8 +123,11 @@ def main() -> None:
             acc[2] += full
             acc[3] += gc_s
 
-    print(f"\n# gc-off benchmark: vLLM {vllm.__version__}, python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    import torch
+    print(f"\n# gc-off benchmark: vLLM {vllm.__version__}, torch {torch.__version__}, python "
+          f"{sys.version.split()[0]}, {cpu_model} x {os.cpu_count()} CPUs, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print("# command: python " + " ".join(sys.argv))
     print(f"# {args.requests} concurrent requests x ({args.prompt_len} prompt + {args.max_tokens} "
           f"generated) tokens, {args.rounds} rounds per mode, tiny Qwen3 on CPU\n")
     header = ("mode", "steps", "p50 ms", "p99 ms", "max ms", "mean ms", "young GCs in steps",

@@ -71,7 +71,12 @@ def cached(seed: int = 0, dtype: str = "bfloat16", **overrides) -> str:
     """Path of the tiny model for these parameters, built once per machine."""
     from ..doctor import cache_dir
 
-    key = hashlib.sha1(json.dumps([seed, dtype, sorted(overrides.items()), 1]).encode()).hexdigest()[:12]
+    import transformers
+
+    # transformers 4.x cannot read the tokenizer config 5.x writes (and weight init may
+    # differ): one model per transformers major version, so both stacks share a cache
+    major = transformers.__version__.split(".")[0]
+    key = hashlib.sha1(json.dumps([seed, dtype, sorted(overrides.items()), 1, major]).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir(), "models", f"tiny-qwen3-{key}")
     if os.path.exists(os.path.join(path, ".done")):
         return path

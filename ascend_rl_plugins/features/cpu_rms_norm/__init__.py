@@ -1,18 +1,9 @@
 """vLLM 0.13 on CPU: RMSNorm of a strided view (Qwen3's per-head q/k norm) reads wrong rows.
 
-Why: on CPU, vLLM 0.13's ``RMSNorm`` calls ``layernorm.rms_norm``, which hands its input to
-the C++ ``_C.rms_norm`` kernel. That kernel assumes rows are contiguous; Qwen3 (and other
-q/k-norm models) normalize ``q.view(tokens, heads, head_dim)`` where ``q`` is a column
-slice of the fused qkv projection, so every row after the first is read from the wrong
-place. The result is wrong logits from the first token and outputs that change with the
-batch a request shares (measured on a tiny Qwen3: vLLM 0.13 disagreed with Hugging Face
-transformers on every prompt; the kernel alone is off by ~7 in absolute value on a
-strided input). vLLM 0.23 normalizes in PyTorch on CPU and matches transformers.
-
-Fix: give the kernel a contiguous copy when the input is a strided CPU view (the copy is
-one activation tensor; contiguous inputs and non-CPU tensors are untouched).
-
-Remove when: running vLLM >= 0.23 on CPU (or the kernel honours input strides).
+The CPU C++ kernel behind ``layernorm.rms_norm`` assumes contiguous rows; the wrapper gives it
+a contiguous copy of strided CPU inputs (contiguous and non-CPU tensors pass untouched).
+README.md beside this file: why, flags, verified where. Remove when: running vLLM >= 0.23 on
+CPU (it normalizes in PyTorch there) or the kernel honours input strides.
 """
 
 from __future__ import annotations
@@ -28,10 +19,10 @@ ENABLE = flags.define(
 
 FEATURE = Feature(
     "cpu_rms_norm", "vLLM 0.13 CPU RMSNorm on strided inputs (Qwen3 q/k norm) made correct.",
-    flag=ENABLE, replaces="(found here; not in the seeds)",
+    flag=ENABLE, replaces="(found here; not in the Qwen3 RL recipe)",
     verified=Verified(
-        cpu_runtime="the real vLLM 0.13 CPU kernel on a strided view, and a real vLLM 0.13 engine "
-                    "against Hugging Face transformers"), stacks="recipe")
+        cpu_runtime="the real vLLM 0.13 CPU kernel on a strided view, patched and not; real vLLM "
+                    "0.13 and 0.23 engines against Hugging Face transformers"), stacks="recipe")
 
 
 @FEATURE.wrap("vllm.model_executor.layers.layernorm:rms_norm", dist="vllm",

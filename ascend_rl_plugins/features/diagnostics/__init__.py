@@ -1,11 +1,8 @@
 """Diagnostics: prove, from inside a real engine, that the plugin loaded and patched it.
 
-Why: vLLM loads general plugins in up to three kinds of process (the caller, the engine
-core, every worker) and swallows some load errors; verl adds its own Ray workers. When a
-feature "does nothing" on a cluster, the first question is whether ascend-rl was even
-active in the process that runs the engine loop. With ``ASCEND_RL_DIAGNOSTICS=<file>``
-each engine-core process appends one JSON line to that file on its first step: pid, who
-activated the plugin, and the state of every patch. Removable: never (it is a tool).
+With ``ASCEND_RL_DIAGNOSTICS=<file>`` every process that runs engine-core steps appends one
+JSON line (pid, who activated ascend-rl, the state of every patch) on its first step.
+README.md beside this file: why, flags, verified where. Remove when: never (it is a tool).
 """
 
 from __future__ import annotations

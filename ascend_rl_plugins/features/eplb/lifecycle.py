@@ -5,7 +5,7 @@ Everything here works on the objects ``NPUModelRunner.__init__`` / ``eplb_warmup
 ``policy_type``, ``shared_dict`` (a ``multiprocessing.Manager`` dict), ``eplb_loader``
 (``D2DExpertWeightLoader``), ``eplb_process`` (``EplbProcess``) and ``process`` (its
 ``multiprocessing.Process``), ``eplb_updator`` (``EplbUpdator``), ``eplb_adaptor``
-(``VllmEplbAdaptor``, built by ``eplb_warmup``). The seed called
+(``VllmEplbAdaptor``, built by ``eplb_warmup``). The Qwen3 RL recipe's verl patch called
 ``EplbUpdator.get_init_expert_map``, ``VllmEplbAdaptor.release_memory`` and
 ``model.reset_all_expert_map_and_log2phy``, which exist in neither version; their jobs are
 :func:`record_initial_placement`, :func:`release_eplb_memory` and :func:`restore_placement`.

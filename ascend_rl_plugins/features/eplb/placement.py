@@ -10,7 +10,7 @@ The simulator replays RL-like traces: expert popularity drifts slowly from one R
 (rollout) to the next and fluctuates within a rollout; EPLB gathers loads for
 ``collect_iterations`` and installs a new placement ``wait_iterations`` later. The only
 difference between the modes is the placement a rollout starts with: the initial one
-(reset, the seed's behaviour) or the last learned one (warm start).
+(reset, the Qwen3 RL recipe's behaviour) or the last learned one (warm start).
 """
 
 from __future__ import annotations

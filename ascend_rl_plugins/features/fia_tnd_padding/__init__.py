@@ -1,25 +1,13 @@
 """FIA TND padding for the main model's full-graph attention parameter update (vLLM-Ascend 0.13).
 
-Why: in the TND layout ``npu_fused_infer_attention_score`` requires the last entry of
-``actual_seq_lengths`` (cumulative query ends) to equal the number of query tokens, i.e.
-the graph's padded ``runtime_shape``, and ``actual_seq_lengths_kv`` to have one entry per
-request. With CANN 8.5.0 an unpadded update after a padded graph replay is rejected or
-reads garbage (seed 003, vLLM-Ascend patch 0005). vLLM-Ascend 0.13's
-``compilation.acl_graph._update_attn_fia_params`` pads these lists for the draft model
-only; the main-model branch passes ``attn_metadata[key].actual_seq_lengths_q`` and
-``.seq_lens_list`` as they are.
+In TND layout the FIA op needs ``actual_seq_lengths`` to end at the graph's padded token count
+and one KV length per request; vLLM-Ascend 0.13's ``_update_attn_fia_params`` pads them for the
+draft model only. The function is wrapped: the main model gets a view of the forward context
+whose attention metadata are shallow copies with padded lists (the engine's objects are never
+mutated). README.md beside this file: why, flags, verified where.
 
-Fix: the seed edits the middle of that function. Here the function is wrapped instead:
-for the main model, it gets a view of the forward context whose attention metadata are
-shallow copies carrying padded lists (dummy decode-shaped requests of ``1 + num
-speculative tokens`` query tokens up to ``runtime_shape``, KV length 0). The engine's own
-metadata objects are never mutated. ``update_attn_params`` calls it as a module global,
-so no from-import copy needs rebinding.
-
-Not needed for vLLM-Ascend 0.23: its model runner inserts a padding request into
-``query_start_loc`` (``_pad_query_start_loc_for_fia``) and its metadata builder pads
-``seq_lens_list``, so the range stops before it. Remove when the oldest supported
-vLLM-Ascend has that upstream fix.
+Remove when: the oldest supported vLLM-Ascend pads them itself (0.23 does, in its model runner
+and metadata builder).
 """
 
 from __future__ import annotations
@@ -35,7 +23,8 @@ ENABLE = flags.define(
 
 FEATURE = Feature(
     "fia_tnd_padding", "Pad FIA TND actual_seq_lengths(_kv) of the main model in graph updates.",
-    flag=ENABLE, replaces="seed 003 vLLM-Ascend 0005-vllm_ascend-bugfix-align_FIA_input_for_TND_layout",
+    flag=ENABLE,
+    replaces="Qwen3 RL recipe vLLM-Ascend patch 0005-vllm_ascend-bugfix-align_FIA_input_for_TND_layout",
     verified=Verified(
         cpu_runtime="padding function property-tested",
         doubles="the real vLLM-Ascend 0.13 _update_attn_fia_params (compiled from source) with "
@@ -106,9 +95,10 @@ _PARAMS = ("update_stream", "forward_context", "runtime_shape", "draft_attn_meta
                              "request; metadata builder pads seq_lens_list)",
               reason="FIA in TND layout needs actual_seq_lengths to end at the padded token count; "
                      "va 0.13 pads only the draft model's lists in full-graph updates",
-              replaces="seed vLLM-Ascend 0005 (edits the middle of _update_attn_fia_params)",
+              replaces="recipe vLLM-Ascend patch 0005 (edits the middle of _update_attn_fia_params)",
               remove_when="the oldest supported vLLM-Ascend pads the main model's FIA lists "
-                          "(0.23 does, in the model runner and metadata builder)")
+                          "(0.23 does, in the model runner and metadata builder)",
+              upstream="https://github.com/vllm-project/vllm-ascend/pull/6357")
 def _pad_main_model(wrapped, instance, args, kwargs):
     bound = dict(zip(_PARAMS, args))
     bound.update(kwargs)

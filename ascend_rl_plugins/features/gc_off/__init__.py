@@ -1,23 +1,15 @@
 """gc-off decode: no automatic garbage collection inside a vLLM engine step.
 
-Why: a decode step allocates thousands of short-lived Python objects (scheduler output,
-request bookkeeping, sampler metadata), so CPython's young-generation collector fires
-several times per step, and every few hundred steps an expensive full collection lands in
-the middle of one. On a host-bound Atlas A3 decode loop that shows up as jittery step
-times (seed 003, vLLM patch 0001). Here the collector's threshold is set to 0 on entry to
-a step and restored on exit (also when the step raises), so collections happen between
-steps instead. Optionally (``ASCEND_RL_GC_OFF_IDLE_COLLECT``) one full collection runs
-when the engine drains (end of a rollout batch) and when it is put to sleep, so garbage
-does not pile up across RL steps.
+The collector's threshold is 0 from entry to exit of every engine step (restored also when the
+step raises), so collections happen between steps; optionally one full collection when the
+engine drains and when it goes to sleep. Hook points (same in vLLM 0.13 and 0.23):
+``LLMEngine.step`` (offline ``LLM``) and ``EngineCore.step`` / ``step_with_batch_queue``
+(engine-core process of the server path). ``EngineCore.__init__`` loads the general plugins
+before it binds ``self.step_fn``, so the class attribute is already wrapped when it is bound.
+README.md beside this file: why, flags, figures, verified where.
 
-Hook points (same in vLLM 0.13 and 0.23): ``LLMEngine.step`` (offline ``LLM`` path; its
-signature ``(self)`` is stable while ``_run_engine`` changed in 0.23) and
-``EngineCore.step`` / ``step_with_batch_queue`` (engine-core process of the server path
-used by verl 0.9.x). ``EngineCore.__init__`` loads the general plugins before it binds
-``self.step_fn``, so the class attribute is already wrapped when it is bound.
-
-Remove when: vLLM disables the collector inside engine steps itself (it only freezes the
-start-up heap as of 0.23).
+Remove when: vLLM disables the collector inside engine steps itself (as of 0.23 it only
+freezes the start-up heap).
 """
 
 from __future__ import annotations
@@ -39,8 +31,10 @@ IDLE_COLLECT = flags.define(
 
 FEATURE = Feature(
     "gc_off", "No automatic garbage collection inside vLLM engine steps (restored after).",
-    flag=ENABLE, replaces="seed 003 vLLM 0001-vllm-feature-disable_gc",
-    verified=Verified(cpu_runtime="real vLLM engines (0.13 and 0.23), offline and engine-core paths"),
+    flag=ENABLE, replaces="Qwen3 RL recipe vLLM patch 0001-vllm-feature-disable_gc",
+    verified=Verified(cpu_runtime="real vLLM engines (0.13 and 0.23): in-process (offline and engine-core "
+                                  "paths) and a spawned engine-core process, each against its "
+                                  "unpatched baseline"),
     stacks="recipe, current")
 
 VLLM_RANGE = ">=0.13,<0.24"
@@ -113,7 +107,7 @@ def _run_without_gc(wrapped, args, kwargs, drained_check):
 @FEATURE.wrap("vllm.v1.engine.llm_engine:LLMEngine.step", dist="vllm", versions=VLLM_RANGE,
               order=90, params=("self",), name="gc_off.llm_engine_step",
               reason="offline LLM path: no automatic GC inside LLMEngine.step (step-time jitter)",
-              replaces="seed vLLM 0001 (LLM._run_engine loop)", remove_when=REMOVE_WHEN)
+              replaces="recipe vLLM patch 0001 (LLM._run_engine loop)", remove_when=REMOVE_WHEN)
 def _llm_engine_step(wrapped, instance, args, kwargs):
     # output_processor, not LLMEngine.has_unfinished_requests: under data parallelism the
     # latter runs a collective and flags a dummy batch.
@@ -130,7 +124,7 @@ for _method in ("step", "step_with_batch_queue"):
                  versions=VLLM_RANGE, order=90, params=("self",), name=f"gc_off.engine_core_{_method}",
                  reason="engine-core process (AsyncLLM/server path, verl 0.9.x): no automatic GC "
                         "inside a step; wrapped before EngineCore.__init__ binds step_fn",
-                 replaces="seed vLLM 0001 (offline path only in the seed)", remove_when=REMOVE_WHEN)
+                 replaces="recipe vLLM patch 0001 (offline path only there)", remove_when=REMOVE_WHEN)
 
 
 _sleep_depth = [0]  # LLMEngine.sleep encloses EngineCore.sleep in-process: collect once

@@ -1,23 +1,12 @@
 """HCCL op-expansion mode for the tensor-parallel process group only.
 
-Why: on Atlas A3 the TP all-gathers of the rollout engine time out unless HCCL expands
-their algorithms on the AI Vector cores (seed 003, vLLM-Ascend patch 0003). Setting the
-global ``HCCL_OP_EXPANSION_MODE=AIV`` would change every communicator (DP, EP, MC2, EPLB)
-and some of them must not move. torch_npu accepts the mode per process group through
-``ProcessGroupHCCL.Options().hccl_config["hccl_op_expansion_mode"]`` (0 = follow the
-environment variable, 1 = host CPU, 2 = device AI CPU, 3 = device AI Vector cores), and
-vLLM-Ascend builds those options for every group in ``create_hccl_pg_options(group_name)``
-from ``get_hccl_config_for_pg_options(group_name)``, which it looks up as a module global.
-So that function is wrapped: for the group named ``"tp"`` (vLLM's TP group name in 0.13
-and 0.23) the mode is added to the dict; every other group is returned untouched.
+vLLM-Ascend builds every group's torch_npu ``ProcessGroupHCCL.Options`` in
+``create_hccl_pg_options`` from ``get_hccl_config_for_pg_options(group_name)``, looked up as a
+module global; the wrapper adds ``hccl_op_expansion_mode`` (the value of
+ASCEND_RL_HCCL_TP_OP_EXPANSION_MODE) to a copy of the TP group's dict, keeping its buffer size,
+and leaves every other group untouched. README.md beside this file: why, flags, verified where.
 
-Buffer size: the seed replaced the TP entry with ``{"hccl_op_expansion": 3}``, which also
-dropped vLLM-Ascend's ``hccl_buffer_size`` for TP (the group silently fell back to the
-``HCCL_BUFFSIZE`` environment value). Buffer size and expansion mode are independent
-settings, so here the upstream buffer size is kept and only the mode is added.
-
-Remove when: vLLM-Ascend lets users configure HCCL options per group (or sets the mode for
-TP itself).
+Remove when: vLLM-Ascend lets users configure HCCL options per group (or sets the mode for TP).
 """
 
 from __future__ import annotations
@@ -33,15 +22,16 @@ ENABLE = flags.define(
 MODE = flags.define(
     "ASCEND_RL_HCCL_TP_OP_EXPANSION_MODE", "int", 3,
     "hccl_op_expansion_mode for the TP group: 0 follow HCCL_OP_EXPANSION_MODE, 1 host CPU, "
-    "2 device AI CPU, 3 device AI Vector cores (the seed's value).",
+    "2 device AI CPU, 3 device AI Vector cores (the Qwen3 RL recipe's value).",
     minimum=0, maximum=3, feature="hccl_tp_expansion")
 
 FEATURE = Feature(
     "hccl_tp_expansion", "HCCL op-expansion mode for the TP process group only.", flag=ENABLE,
-    replaces="seed 003 vLLM-Ascend 0003-vllm_ascend-bugfix-set_hccl_op_expansion_mode",
+    replaces="Qwen3 RL recipe vLLM-Ascend patch 0003-vllm_ascend-bugfix-set_hccl_op_expansion_mode",
     verified=Verified(
         doubles="the real vLLM-Ascend create_hccl_pg_options/get_hccl_config_for_pg_options "
-                "(compiled from each version's source) with a torch_npu Options double",
+                "(compiled from each version's source) with the patch applied by the registry "
+                "and each mode flag value; a torch_npu Options double",
         static="hook point in vLLM-Ascend 0.13 and 0.23"),
     stacks="recipe, current (vLLM-Ascend not importable on CPU)")
 
@@ -64,7 +54,7 @@ def with_tp_op_expansion(config: dict | None, group_name: str, mode: int) -> dic
               name="hccl_tp_expansion.get_hccl_config_for_pg_options",
               reason="TP all-gathers time out on A3 without AIV op expansion; the mode must be "
                      "set for the TP group only, through its pg options",
-              replaces="seed vLLM-Ascend 0003 (edits the config map, drops the TP buffer size)",
+              replaces="recipe vLLM-Ascend patch 0003 (edits the config map, drops the TP buffer size)",
               remove_when="vLLM-Ascend exposes per-group HCCL options or sets the mode for TP")
 def _tp_op_expansion(wrapped, instance, args, kwargs):
     config = wrapped(*args, **kwargs)

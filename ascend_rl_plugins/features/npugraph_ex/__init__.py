@@ -1,22 +1,12 @@
-"""npugraph_ex static kernel: the seed's attribute-name typo fix is not needed any more.
+"""npugraph_ex static kernel: the Qwen3 RL recipe's attribute-name typo fix is not needed.
 
-Why it existed: seed 003's vLLM-Ascend patch 0004 fixed a fork of vLLM-Ascend whose
-npugraph_ex backend computed the batch sizes for static-kernel compilation from
-misspelt config attributes (``num_speculative_token``, ``max_num_seq``,
-``cudagraph_capture_size``), so enabling the static kernel failed.
+vLLM-Ascend 0.13 has no static-kernel batch-size computation and 0.23 reads the correct
+attribute names (tests/features/npugraph_ex proves both from the sources on every run), so the
+patch is declared with an empty version range: doctor reports it "fixed upstream" and it is
+never applied. The replacement is a real implementation, equal to 0.23's function, in case a
+fork with the bug has to be supported. README.md beside this file: why, verified where.
 
-What the supported releases do (read in their sources; tests/engine_patches/test_npugraph_ex.py
-proves it on every run):
-- vLLM-Ascend 0.13.0: the buggy code is absent. ``npugraph_ex_compile`` only switches the
-  static-shape kernel on; there is no batch-size range to compute.
-- vLLM-Ascend 0.23.0: fixed. ``_compute_decode_cudagraph_batch_sizes`` reads
-  ``speculative_config.num_speculative_tokens``, ``scheduler_config.max_num_seqs`` and
-  ``compilation_config.cudagraph_capture_sizes``.
-
-So the patch is declared with an empty version range: ``doctor`` reports it "fixed
-upstream" and it is never applied. Its replacement is a real implementation (equivalent to
-0.23's, checked by the test) in case a fork with the bug has to be supported; widening the
-range is all that would take. Remove when: seed-era forks are no longer of interest.
+Remove when: recipe-era vLLM-Ascend forks are no longer of interest.
 """
 
 from __future__ import annotations
@@ -32,9 +22,11 @@ ENABLE = flags.define(
 
 FEATURE = Feature(
     "npugraph_ex", "npugraph_ex static-kernel typo fix (fixed upstream; never applied).",
-    flag=ENABLE, replaces="seed 003 vLLM-Ascend 0004-vllm_ascend-bugfix-npugraph_ex_static_kernel_typo",
-    verified=Verified(static="AST proof on both vLLM-Ascend sources that the typo is fixed; "
-                                       "replacement checked equal to the 0.23 function"),
+    flag=ENABLE,
+    replaces="Qwen3 RL recipe vLLM-Ascend patch 0004-vllm_ascend-bugfix-npugraph_ex_static_kernel_typo",
+    verified=Verified(cpu_runtime="replacement equal to vLLM-Ascend 0.23's function (compiled from source)",
+                      static="AST proof on both vLLM-Ascend sources that the typo is fixed or absent; "
+                             "never applied on either stack"),
     stacks="none needs it")
 
 NO_SUPPORTED_VERSION = ">=0.13,<0.13"  # empty on purpose
@@ -56,6 +48,6 @@ FEATURE.replace(
     name="npugraph_ex.decode_graph_batch_sizes",
     fixed_upstream="vllm-ascend 0.23 (_compute_decode_cudagraph_batch_sizes uses the correct "
                    "attribute names); 0.13 has no static-kernel batch-size computation",
-    reason="seed fork read misspelt config attributes when sizing static kernels",
-    replaces="seed vLLM-Ascend 0004",
-    remove_when="seed-era vLLM-Ascend forks are no longer supported")
+    reason="the recipe's vLLM-Ascend fork read misspelt config attributes when sizing static kernels",
+    replaces="recipe vLLM-Ascend patch 0004",
+    remove_when="recipe-era vLLM-Ascend forks are no longer supported")

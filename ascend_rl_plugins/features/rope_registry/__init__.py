@@ -1,20 +1,13 @@
 """RoPE registry: never pick the flash_attn Triton rotary kernel on an Ascend NPU.
 
-Why: ``ApplyRotaryEmb.__init__`` (vLLM ``model_executor/layers/rotary_embedding/common.py``,
-built by every rotary embedding) imports ``flash_attn.ops.triton.rotary`` whenever
-``find_spec("flash_attn")`` finds the package. On an NPU host where some dependency
-pulled ``flash_attn`` in, that import of a CUDA Triton kernel breaks model construction
-(seed 003, vLLM patch 0003). vLLM 0.23 added a guard, but only for the CPU platform
-(``not current_platform.is_cpu()``); the NPU platform still takes the branch.
+vLLM's ``ApplyRotaryEmb.__init__`` imports flash_attn's CUDA Triton rotary kernel whenever
+``find_spec("flash_attn")`` finds the package (vLLM 0.23 excludes only the CPU platform). That
+module looks ``find_spec`` up as a module global, so that one name in that one module is
+replaced by a function answering "not installed" for flash_attn when ``torch.npu`` exists and
+deferring to ``importlib.util.find_spec`` otherwise; from-import rebinding is off, so no other
+module's ``find_spec`` changes. README.md beside this file: why, flags, verified where.
 
-Fix: the module looks ``find_spec`` up as a module global (``from importlib.util import
-find_spec``), so that one name is rebound in that one module to a function that answers
-"not installed" for ``flash_attn`` when ``torch.npu`` exists (torch_npu registers it) and
-defers to the real ``importlib.util.find_spec`` otherwise. Nothing else is touched (the
-framework's from-import rebinding is switched off: other modules' ``find_spec`` stay).
-
-Remove when: vLLM checks the platform (or the kernel's usability) instead of the package
-being importable, e.g. guards the branch with ``current_platform.is_cuda_alike()``.
+Remove when: vLLM gates the kernel on a CUDA-alike platform instead of the package's presence.
 """
 
 from __future__ import annotations
@@ -33,10 +26,12 @@ ENABLE = flags.define(
 
 FEATURE = Feature(
     "rope_registry", "Do not pick the flash_attn Triton rotary kernel on NPU.", flag=ENABLE,
-    replaces="seed 003 vLLM 0003-vllm-bugfix-rope_registry",
+    replaces="Qwen3 RL recipe vLLM patch 0003-vllm-bugfix-rope_registry",
     verified=Verified(
-        cpu_runtime="real ApplyRotaryEmb and a real vLLM 0.13 engine",
-        doubles="a torch.npu double and a flash_attn double package"),
+        cpu_runtime="real ApplyRotaryEmb (vLLM 0.13, 0.23) and real engines; other find_spec "
+                    "copies untouched",
+        doubles="a torch.npu double and a flash_attn double package",
+        static="hook point (module-global find_spec called with flash_attn) in vLLM 0.13 and 0.23"),
     stacks="recipe, current")
 
 HIDDEN_PACKAGE = "flash_attn"
@@ -61,5 +56,5 @@ FEATURE.replace(
     name="rope_registry.find_spec",
     reason="ApplyRotaryEmb imports the CUDA Triton rotary kernel of flash_attn whenever the "
            "package is importable; vLLM's guard only excludes the CPU platform, not NPU",
-    replaces="seed vLLM 0003 (edits ApplyRotaryEmb.__init__)",
+    replaces="recipe vLLM patch 0003 (edits ApplyRotaryEmb.__init__)",
     remove_when="vLLM gates the flash_attn rotary kernel on a CUDA-alike platform")

@@ -3,7 +3,7 @@
 Real code: the three patch hooks, composed onto the worker/runner exactly as the framework
 composes before/after patches; ``lifecycle`` (torch tensors on CPU); both vLLM-Ascend
 sources (AST) for hook points, constructor signatures and the doubles' signatures.
-Doubles (tests/engine_patches/doubles/vllm_ascend_eplb_double.py): NPUWorker,
+Doubles (tests/doubles/vllm_ascend_eplb_double.py): NPUWorker,
 NPUModelRunner, EplbProcess, EplbUpdator, D2DExpertWeightLoader, VllmEplbAdaptor, the
 FusedMoE layer and the planner process, in a 0.13 and a 0.23 flavour.
 """
@@ -13,19 +13,18 @@ from __future__ import annotations
 import ast
 import inspect
 import os
-import sys
 
 import pytest
-import torch
 import wrapt
 
-from ascend_rl_plugins.features import eplb as feature
-from ascend_rl_plugins.features.eplb import lifecycle
-from ascend_rl_plugins.patching.core import _make_wrapper
-from upstream_source import STACKS, method, module_path, parse
+torch = pytest.importorskip("torch")  # the lifecycle and the doubles hold torch tensors
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "doubles"))
-import vllm_ascend_eplb_double as d  # noqa: E402
+from ascend_rl_plugins.features import eplb as feature  # noqa: E402
+from ascend_rl_plugins.features.eplb import lifecycle  # noqa: E402
+from ascend_rl_plugins.patching.core import _make_wrapper  # noqa: E402
+from tests.doubles import vllm_ascend_eplb_double as d  # noqa: E402
+from tests.features.upstream_source import (STACKS, decision, method, module_path, params, parse,  # noqa: E402
+                                            python_files)
 
 PATCHES = {p.name: p for p in feature.FEATURE.patches}
 FLAVOURS = {
@@ -61,12 +60,6 @@ def engine(request, monkeypatch):
     return request.param, worker_cls(runner), runner
 
 
-def _set_warm(monkeypatch, on: bool):
-    monkeypatch.setenv("ASCEND_RL_EPLB_WARM_START", "1" if on else "0")
-    from ascend_rl_plugins import flags
-    flags.reset_cache()
-
-
 def _placement(runner):
     return [{n: getattr(layer.mlp.experts, n).clone() for n in lifecycle.PLACEMENT_TENSORS}
             for layer in runner.model.model.layers]
@@ -84,8 +77,8 @@ def _learn_a_new_placement(runner):
     return maps
 
 
-def test_sleep_stops_eplb_before_the_allocator_and_releases_memory(engine, monkeypatch):
-    _set_warm(monkeypatch, False)
+def test_sleep_stops_eplb_before_the_allocator_and_releases_memory(engine, flag_env):
+    flag_env(ASCEND_RL_EPLB_WARM_START=0)
     flavour, worker, runner = engine
     old_process, old_adaptor = runner.process, runner.eplb_adaptor
     worker.sleep(1)
@@ -96,8 +89,8 @@ def test_sleep_stops_eplb_before_the_allocator_and_releases_memory(engine, monke
     assert runner.eplb_updator._gather_buffer is None
 
 
-def test_wake_up_restarts_eplb_after_the_weight_transposes_with_fresh_loads(engine, monkeypatch):
-    _set_warm(monkeypatch, False)
+def test_wake_up_restarts_eplb_after_the_weight_transposes_with_fresh_loads(engine, flag_env):
+    flag_env(ASCEND_RL_EPLB_WARM_START=0)
     flavour, worker, runner = engine
     for layer in runner.model.model.layers:
         layer.mlp.experts.moe_load.fill_(5)
@@ -125,8 +118,8 @@ def test_wake_up_restarts_eplb_after_the_weight_transposes_with_fresh_loads(engi
     assert lifecycle.state_of(runner).restarts == 1
 
 
-def test_only_a_weights_wake_up_restarts_and_only_once(engine, monkeypatch):
-    _set_warm(monkeypatch, False)
+def test_only_a_weights_wake_up_restarts_and_only_once(engine, flag_env):
+    flag_env(ASCEND_RL_EPLB_WARM_START=0)
     flavour, worker, runner = engine
     worker.sleep(1)
     worker.wake_up(["kv_cache"])
@@ -139,8 +132,8 @@ def test_only_a_weights_wake_up_restarts_and_only_once(engine, monkeypatch):
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_reset_mode_returns_to_the_initial_placement(engine, monkeypatch, level):
-    _set_warm(monkeypatch, False)
+def test_reset_mode_returns_to_the_initial_placement(engine, flag_env, level):
+    flag_env(ASCEND_RL_EPLB_WARM_START=0)
     flavour, worker, runner = engine
     initial = _placement(runner)
     _learn_a_new_placement(runner)
@@ -153,8 +146,8 @@ def test_reset_mode_returns_to_the_initial_placement(engine, monkeypatch, level)
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_warm_start_keeps_the_learned_placement_across_sleep(engine, monkeypatch, level):
-    _set_warm(monkeypatch, True)
+def test_warm_start_keeps_the_learned_placement_across_sleep(engine, flag_env, level):
+    flag_env(ASCEND_RL_EPLB_WARM_START=1)
     flavour, worker, runner = engine
     learned_maps = _learn_a_new_placement(runner)
     learned_log2phy = [layer.mlp.experts.log2phy.clone() for layer in runner.model.model.layers]
@@ -170,8 +163,8 @@ def test_warm_start_keeps_the_learned_placement_across_sleep(engine, monkeypatch
     assert "restore_learned" in lifecycle.state_of(runner).events
 
 
-def test_warm_start_does_not_snapshot_a_half_applied_cycle(engine, monkeypatch):
-    _set_warm(monkeypatch, True)
+def test_warm_start_does_not_snapshot_a_half_applied_cycle(engine, flag_env):
+    flag_env(ASCEND_RL_EPLB_WARM_START=1)
     flavour, worker, runner = engine
     initial = _placement(runner)
     _learn_a_new_placement(runner)
@@ -183,8 +176,8 @@ def test_warm_start_does_not_snapshot_a_half_applied_cycle(engine, monkeypatch):
         assert torch.equal(now["log2phy"], before["log2phy"])
 
 
-def test_a_failing_restart_turns_eplb_off_instead_of_breaking_the_engine(engine, monkeypatch):
-    _set_warm(monkeypatch, False)
+def test_a_failing_restart_turns_eplb_off_instead_of_breaking_the_engine(engine, flag_env, monkeypatch):
+    flag_env(ASCEND_RL_EPLB_WARM_START=0)
     flavour, worker, runner = engine
 
     def boom(*a, **k):
@@ -196,7 +189,7 @@ def test_a_failing_restart_turns_eplb_off_instead_of_breaking_the_engine(engine,
     assert "disabled" in lifecycle.state_of(runner).events
 
 
-def test_inactive_when_dynamic_eplb_is_off(engine, monkeypatch):
+def test_inactive_when_dynamic_eplb_is_off(engine):
     flavour, worker, runner = engine
     runner.dynamic_eplb = False
     worker.sleep(1)
@@ -206,15 +199,11 @@ def test_inactive_when_dynamic_eplb_is_off(engine, monkeypatch):
 
 # -- static conformance against both vLLM-Ascend sources --------------------------------
 
-def _params(node):
-    return [a.arg for a in node.args.args] + [a.arg for a in node.args.kwonlyargs]
-
-
 @pytest.mark.parametrize("stack", STACKS)
 def test_hook_points_and_what_the_lifecycle_relies_on(stack):
     worker = parse(module_path(stack, "vllm_ascend", "vllm_ascend.worker.worker"))
-    assert _params(method(worker, "NPUWorker", "sleep")) == ["self", "level"]
-    assert _params(method(worker, "NPUWorker", "wake_up")) == ["self", "tags"]
+    assert params(method(worker, "NPUWorker", "sleep")) == ["self", "level"]
+    assert params(method(worker, "NPUWorker", "wake_up")) == ["self", "tags"]
     runner_tree = parse(module_path(stack, "vllm_ascend", "vllm_ascend.worker.model_runner_v1"))
     warmup = method(runner_tree, "NPUModelRunner", "eplb_warmup")
     called = {ast.unparse(n.func) for n in ast.walk(warmup) if isinstance(n, ast.Call)}
@@ -247,7 +236,7 @@ def test_doubles_mirror_the_real_signatures(stack, flavour):
              ("vllm_ascend.worker.worker", "NPUWorker", d.NPUWorkerDouble, "wake_up")]
     for module, cls_name, double, name in pairs:
         real = method(parse(module_path(stack, "vllm_ascend", module)), cls_name, name)
-        real_names = _params(real) + ([f"**{real.args.kwarg.arg}"] if real.args.kwarg else [])
+        real_names = params(real) + ([f"**{real.args.kwarg.arg}"] if real.args.kwarg else [])
         sig = inspect.signature(vars(double)[name] if name in vars(double) else getattr(double, name))
         double_names = [("**" if p.kind == p.VAR_KEYWORD else "") + p.name for p in sig.parameters.values()]
         assert double_names == real_names, (cls_name, name)
@@ -263,15 +252,18 @@ def test_the_methods_the_seed_called_do_not_exist_upstream(stack):
     with pytest.raises(LookupError):
         method(adaptor, "VllmEplbAdaptor", "release_memory")
     package = os.path.dirname(module_path(stack, "vllm_ascend", "vllm_ascend.eplb.eplb_updator"))
-    for dirpath, _, files in os.walk(os.path.dirname(package)):
-        for name in files:
-            if name.endswith(".py"):
-                with open(os.path.join(dirpath, name), encoding="utf-8", errors="replace") as fh:
-                    assert "def reset_all_expert_map_and_log2phy(" not in fh.read(), name
+    for path in python_files(os.path.dirname(package)):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            assert "def reset_all_expert_map_and_log2phy(" not in fh.read(), path
 
 
-def test_patch_declarations():
-    assert set(PATCHES) == {"eplb.stop_before_sleep", "eplb.restart_after_wake_up", "eplb.record_initial_placement"}
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_seed_variable_switches_all_three_hooks_on_in_both_stacks(stack, flag_env):
+    """What activation and doctor decide: off by default; the seed recipe's VLLM_ENABLE_EPLB
+    switches every hook on, and each resolves in the stack's vLLM-Ascend."""
+    flag_env(ASCEND_RL_EPLB=None, VLLM_ENABLE_EPLB=None)
+    assert not any(decision(p, stack).apply for p in PATCHES.values())
+    flag_env(VLLM_ENABLE_EPLB=1)
     for p in PATCHES.values():
-        assert p.dist == "vllm-ascend" and p.versions_text == ">=0.13,<0.24" and p.remove_when
-    assert feature.ENABLE.aliases == ("VLLM_ENABLE_EPLB",)
+        d = decision(p, stack)
+        assert d.apply and d.target_found, (p.name, d.reason)

@@ -2,14 +2,13 @@
 
 Real code: ``pad_fia_tnd`` and the wrapper; vLLM-Ascend 0.13's own
 ``_update_attn_fia_params`` and ``_pad_attention_seq_params`` compiled from its source.
-Doubles: ``torch.npu`` stream/graph-update calls and ``torch_npu.npu_fused_infer_attention_score``
-(records what the FIA op would receive), graph params, forward context and metadata.
+Doubles (tests/doubles/torch_npu_double.py): ``torch.npu`` stream/graph-update calls and
+``torch_npu.npu_fused_infer_attention_score`` (records what the FIA op would receive); graph
+params, forward context and metadata as plain objects.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import types
 
 import pytest
@@ -17,12 +16,12 @@ import wrapt
 from hypothesis import given, strategies as st
 
 from ascend_rl_plugins.features import fia_tnd_padding as feature
-from upstream_source import calls_in, compile_functions, method, module_path, parse, top_level
+from ascend_rl_plugins.patching.core import REGISTRY
+from tests.doubles.torch_npu_double import FusedInferAttentionScoreDouble, TorchNpuNamespaceDouble
+from tests.features.upstream_source import (calls_in, compile_functions, decision, method, module_path, parse,
+                                            top_level)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "doubles"))
-from torch_npu_double import FusedInferAttentionScoreDouble, TorchNpuNamespaceDouble  # noqa: E402
-
-PATCH = feature.FEATURE.patches[0]  # the wrapper the framework installs is PATCH.impl
+PATCH = REGISTRY.patches["fia_tnd_padding.update_attn_fia_params"]  # the framework installs PATCH.impl
 
 
 @st.composite
@@ -146,9 +145,12 @@ def test_hook_point_in_vllm_ascend_0_13():
     assert "actual_seq_lengths_q = attn_metadata[key].actual_seq_lengths_q" in src
 
 
-def test_range_excludes_vllm_ascend_0_23_which_fixed_it_upstream():
-    assert PATCH.versions_text == ">=0.13,<0.14"
-    assert "0.23" in PATCH.fixed_upstream
-    path = module_path("current", "vllm_ascend", "vllm_ascend.worker.model_runner_v1")
-    fix = method(parse(path), "NPUModelRunner", "_pad_query_start_loc_for_fia")
+def test_applies_on_vllm_ascend_0_13_and_is_not_needed_on_0_23(flag_env):
+    """0.23 pads the main model's lists itself (the model runner inserts a padding request)."""
+    flag_env(ASCEND_RL_FIA_TND_PADDING=1)
+    assert decision(PATCH, "recipe").apply
+    d = decision(PATCH, "current")
+    assert not d.apply and d.verdict(PATCH) == (f"not needed: {d.version_why}", False)
+    fix = method(parse(module_path("current", "vllm_ascend", "vllm_ascend.worker.model_runner_v1")),
+                 "NPUModelRunner", "_pad_query_start_loc_for_fia")
     assert [a.arg for a in fix.args.args][:3] == ["self", "query_start_loc", "num_tokens_padded"]
