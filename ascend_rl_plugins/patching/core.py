@@ -307,6 +307,7 @@ class _Slot:
         self.active: list[Patch] = []
         self.installed: Any = original
         self.rebound: dict[tuple[str, str], Any] = {}  # (module, name) -> object rebound there
+        self.submodule: tuple[str, Any] | None = None  # (sys.modules key, entry it replaced)
 
     def compose(self) -> Any:
         obj = self.original
@@ -514,8 +515,32 @@ class Registry:
         else:
             setattr(slot.parent, slot.attribute, new)
         slot.installed = new
+        self._sync_submodule(slot, new)
         if isinstance(slot.parent, types.ModuleType) and any(p.rebind for p in slot.active) | bool(slot.rebound):
             self._rebind(slot, previous, new)
+
+    @staticmethod
+    def _sync_submodule(slot: _Slot, new: Any) -> None:
+        """A module that a ``set`` patch installs as an attribute of a *package* is also made
+        importable under that dotted name, as a real submodule would be: ``import pkg.name`` and
+        ``from pkg.name import x`` look in ``sys.modules``, never at the package attribute.
+        Reverting puts back whatever ``sys.modules`` held for that name before (usually
+        nothing). Used to provide a module path that a newer release of a package moved."""
+        parent = slot.parent
+        if not isinstance(parent, types.ModuleType) or not hasattr(parent, "__path__"):
+            return
+        if slot.active and isinstance(new, types.ModuleType):
+            key = f"{parent.__name__}.{slot.attribute}"
+            if slot.submodule is None:
+                slot.submodule = (key, sys.modules.get(key, _MISSING))
+            sys.modules[key] = new
+        elif slot.submodule is not None:
+            key, before = slot.submodule
+            slot.submodule = None
+            if before is _MISSING:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = before
 
     def _rebind(self, slot: _Slot, previous: Any, new: Any) -> None:
         """Rebind copies that other modules made with ``from module import name``."""

@@ -285,3 +285,53 @@ def test_lazy_application_on_a_real_vllm_module():
     q = importlib.import_module(mod).FCFSRequestQueue()
     q.add_request("r0")
     assert seen == [("r0",)] and REGISTRY.patches["t.vllm"].outcome.state == "applied"
+
+
+def test_a_module_set_on_a_package_is_importable_as_its_submodule_until_reverted(tmp_path, monkeypatch):
+    """A ``set`` patch whose value is a module, on a package, provides ``package.name`` to the
+    import system too (``from package.name import x`` looks in ``sys.modules``, not at the
+    package attribute); reverting removes the entry. Plain modules (no ``__path__``) and
+    non-module values get no ``sys.modules`` entry."""
+    import types
+
+    pkg = tmp_path / "pkg_with_moved_module"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "new_home.py").write_text("class Moved:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    new_home = importlib.import_module("pkg_with_moved_module.new_home")
+    alias = types.ModuleType("pkg_with_moved_module.old_home")
+    alias.Moved = new_home.Moved
+    f = _feature()
+    f.set("pkg_with_moved_module:old_home", alias, create=True, rebind=False, dist=None, reason="t",
+          remove_when="never", name="t.alias")
+    f.set("textwrap:ASCEND_RL_MODULE_VALUE", alias, create=True, rebind=False, dist=None, reason="t",
+          remove_when="never", name="t.not_a_package")
+    REGISTRY.activate()
+    from pkg_with_moved_module.old_home import Moved  # noqa: E402 - the import under test
+    assert Moved is new_home.Moved
+    assert importlib.import_module("pkg_with_moved_module.old_home") is alias
+    assert "textwrap.ASCEND_RL_MODULE_VALUE" not in sys.modules
+    REGISTRY.revert(REGISTRY.patches["t.alias"])
+    assert "pkg_with_moved_module.old_home" not in sys.modules
+    assert not hasattr(importlib.import_module("pkg_with_moved_module"), "old_home")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("pkg_with_moved_module.old_home")
+
+
+def test_a_submodule_entry_that_existed_before_is_put_back_on_revert(monkeypatch):
+    import types
+
+    pkg = types.ModuleType("pkg_double_for_submodule_revert")
+    pkg.__path__ = []
+    before = types.ModuleType("pkg_double_for_submodule_revert.thing")
+    monkeypatch.setitem(sys.modules, pkg.__name__, pkg)
+    monkeypatch.setitem(sys.modules, before.__name__, before)
+    replacement = types.ModuleType("replacement")
+    f = _feature()
+    f.set(f"{pkg.__name__}:thing", replacement, create=True, rebind=False, dist=None, reason="t",
+          remove_when="never", name="t.sub")
+    REGISTRY.activate()
+    assert sys.modules[before.__name__] is replacement and pkg.thing is replacement
+    REGISTRY.revert_all()
+    assert sys.modules[before.__name__] is before and not hasattr(pkg, "thing")
