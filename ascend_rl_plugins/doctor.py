@@ -123,8 +123,11 @@ def feature_notes(roots: Sequence[str] | None = None) -> list[FeatureNote]:
             on = f.switched_on()
         except Exception:  # a bad flag value is reported by validate_all, not here
             on = False
+        # a problem only when the user asked for it: a feature that is on by default and
+        # does nothing on this stack is worth a note, not a failing exit status
+        asked = on and f.flag is not None and f.flag.explicitly_set
         for why in f.inapplicable(roots):
-            notes.append(FeatureNote(name, why, on, on))
+            notes.append(FeatureNote(name, why, on, asked))
     return notes
 
 
