@@ -1,29 +1,35 @@
 """Replay benchmark of the SAM drafter on the Python standard library sources.
 
-Run: ``python benchmarks/bench_sam.py`` (about 2-3 minutes on 2 cores; ``--quick`` for less).
+Run: ``python benchmarks/bench_sam.py`` in an interpreter with vLLM (for its n-gram drafter)
+and ``tokenizers``; about 4 minutes on 2 cores (``--quick``: under a minute).
 
 Every text is tokenized with a byte-level BPE trained here on the same sources, then
 replayed as if a model generated it: at each step the drafter has seen the text so far,
 proposes k tokens, the longest prefix that equals the real continuation is accepted
-(greedy verification) and the accepted tokens plus one are appended. Side by side, on
-the same streams:
+(greedy verification) and the accepted tokens plus one are appended. The streams live in a
+token matrix with a token count per row, as vLLM's model runner keeps them, and every
+drafter reads them from there. Side by side, on the same streams, in one run:
 
-* ``sam``        this project's drafter with its defaults (flat arrays, numba, most recent
-                 occurrence, min match 1, a match of length L drafts at most L tokens);
-* ``sam-max``    the same without the length cap (most accepted tokens, lower share);
-* ``sam-first``  sam-max drafting from the first occurrence (same semantics as the seed);
-* ``sam-r4``     sam-max drafting from the most recent occurrence of the last 4 tokens only
-                 (ASCEND_RL_SAM_RECENT_LEN=4: better token by token, worse per step);
-* ``seed-py``    a re-implementation of the seed's design: pure-Python automaton with one
-                 dict per state, first-occurrence drafting, no gate (the baseline);
-* ``ngram5``     vLLM's n-gram proposer kernel (numba), prompt_lookup_min = max = 5;
-* ``ngram2-5``   the same with min 2, max 5.
+* ``sam``        this project's drafter with its defaults (most recent occurrence, min match 1,
+                 no length cap: ``ASCEND_RL_SAM_ADAPTIVE=0``);
+* ``sam-cap``    the same with the confidence cap (``ASCEND_RL_SAM_ADAPTIVE=1``: a match of
+                 length L drafts at most L tokens);
+* ``first``      the automaton drafting from the *first* occurrence of the match, no cap: the
+                 drafting rule of the Qwen3 RL recipe's SAM patch (the acceptance baseline);
+* ``seed-py``    a re-implementation of the recipe's drafter design (pure-Python automaton,
+                 one dict per state, first occurrence; a draft stops at the end of the text
+                 where ``first`` continues a loop periodically): its latency and memory;
+* ``ngram5`` / ``ngram2-5``  vLLM's n-gram drafter (prompt_lookup_min = max = 5; min 2, max 5).
 
-Reported: accepted tokens per step, share of draft tokens accepted, median / p99
-microseconds per request per step at ~2K, ~8K and ~32K tokens of context (batched calls
-divided by the batch size, as in a decode step; streams run on past the last mark so that
-every sample comes from a full batch), bytes and GC-tracked objects per token,
-and for sibling groups (near-duplicate files, GRPO-like) the gain from group-aware drafting.
+Reported per drafter: accepted draft tokens per step, share of draft tokens accepted, ratio
+of accepted tokens per step to ``first``; latency per request per step (one batched call
+divided by the batch) at ~2K, ~8K and ~32K tokens of context, both through the public API
+(``SamDrafter.propose_arrays`` / vLLM's ``NgramProposer.propose``) and for the kernel alone
+(``AutomatonPool.ingest_own_rows`` / ``batch_propose_numba``); whole-drafter bytes per token of
+context (every array the drafter holds, over all streams, when the last one passes 32K).
+Then the API's cost per call and per request (batches of 1, 8 and 32), memory of one
+automaton vs the seed-style drafter, and sibling groups (GRPO-like) with and without
+group-aware drafting.
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ import sys
 import sysconfig
 import time
 import tracemalloc
+from types import SimpleNamespace
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
+from ascend_rl_plugins.features.sam.automaton import T_SIZE, AutomatonPool, compile_step_kernel  # noqa: E402
+from ascend_rl_plugins.features.sam.drafter import SamDrafter  # noqa: E402
 
 CONTEXT_MARKS = (2048, 8192, 32768)
+MEASURED = [1 << 62]  # tokens of each stream that count (set by main)
 
 
 # -- corpus -----------------------------------------------------------------------------------
@@ -66,7 +75,34 @@ def encode(tok, path: str) -> np.ndarray:
     return np.array(tok.encode(open(path, encoding="utf-8", errors="replace").read()).ids, np.int32)
 
 
-# -- drafters ----------------------------------------------------------------------------------
+def build_streams(files, tok, n: int, context: int, tail: int, start: int = 3):
+    """``n`` streams of ``context`` measured tokens (consecutive files of a disjoint slice of the
+    library each: a long rollout) followed by ``tail`` uncounted tokens from files no measured
+    text uses, so that every stream still runs (the batch is still full) when the slowest one
+    passes the last mark."""
+    order = files[start::5]
+    streams, j = [], 0
+    for _ in range(n):
+        parts, got = [], 0
+        while got < context and j < len(order):
+            ids = encode(tok, order[j])
+            parts.append(ids)
+            got += len(ids)
+            j += 1
+        streams.append(np.concatenate(parts)[:context])
+    used = set(order[:j])
+    tail_files = [f for f in files if f not in used][::-1]
+    for i, s in enumerate(streams):
+        parts, got = [s], 0
+        while got < tail and tail_files:
+            ids = encode(tok, tail_files.pop())
+            parts.append(ids)
+            got += len(ids)
+        streams[i] = np.concatenate(parts)[: context + tail]
+    return streams
+
+
+# -- the recipe's drafter design, for comparison -------------------------------------------------
 
 class SeedStyleSAM:
     """Seed-style baseline: one dict per state, first occurrence, no minimum match."""
@@ -116,6 +152,8 @@ class SeedStyleSAM:
         return self.text[start:start + k]
 
 
+# -- replays ---------------------------------------------------------------------------------------
+
 def accepted_prefix(draft, truth) -> int:
     n = 0
     for a, b in zip(draft, truth):
@@ -128,70 +166,130 @@ def accepted_prefix(draft, truth) -> int:
 class Result:
     def __init__(self, name: str):
         self.name = name
-        self.steps = 0
-        self.accepted = 0
-        self.drafted = 0
+        self.steps = self.accepted = self.drafted = 0
         self.lat: dict[int, list[float]] = {m: [] for m in CONTEXT_MARKS}
+        self.kernel_lat: dict[int, list[float]] = {m: [] for m in CONTEXT_MARKS}
         self.bytes_per_token = float("nan")
-        self.objs_per_token = float("nan")
 
-    def record(self, context: int, drafted: int, accepted: int, us: float, full: bool = True) -> None:
-        """One verification step of one stream at ``context`` tokens. Only the first
-        ``MEASURED[0]`` tokens of a stream count; its tail exists so that every stream is still
-        running (the batch still full) when the slowest one passes the last context mark --
-        latency is per request of a batched call, so a half-empty batch would inflate it."""
-        if context >= MEASURED[0]:
-            return
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        if full:
-            for m in CONTEXT_MARKS:
-                if m - 1024 <= context <= m:
-                    self.lat[m].append(us)
+    def record(self, context: int, drafted: int, accepted: int) -> None:
+        """One verification step of one stream at ``context`` tokens (only the first
+        ``MEASURED[0]`` tokens of a stream count)."""
+        if context < MEASURED[0]:
+            self.steps += 1
+            self.drafted += drafted
+            self.accepted += accepted
+
+    def timing(self, lat, contexts, us: float) -> None:
+        """A full batch's call took ``us`` per request; file it under the marks its streams'
+        contexts are at (within 1024 tokens below a mark)."""
+        mid = int(np.median(contexts))
+        for m in CONTEXT_MARKS:
+            if m - 1024 <= mid <= m:
+                lat[m].append(us)
+
+    @property
+    def per_step(self) -> float:
+        return self.accepted / max(self.steps, 1)
+
+    @property
+    def share(self) -> float:
+        return self.accepted / max(self.drafted, 1)
 
 
-MEASURED = [1 << 62]  # tokens of each stream that count (set by main)
+def token_matrix(streams, k: int) -> np.ndarray:
+    width = max(len(s) for s in streams) + k + 1
+    mat = np.zeros((len(streams), width), np.int32)
+    for i, s in enumerate(streams):
+        mat[i, : len(s)] = s
+    return mat
 
 
-def replay_sam(streams, k, name, *, min_match=1, from_first=False, group_of=None,
-               adaptive=False, recent_len=32) -> tuple[Result, AutomatonPool, list[int]]:
-    """Replay all streams in lockstep, one batched ingest+draft call per step."""
-    res = Result(name)
-    pool = AutomatonPool(min_match=min_match, from_first=from_first, adaptive=adaptive,
-                         recent_len=recent_len)
-    autos = {}
-    members = []
-    for i in range(len(streams)):
-        key = group_of[i] if group_of is not None else i
-        if key not in autos:
-            autos[key] = pool.new_automaton()
-        members.append(pool.new_member(autos[key]))
-    members = np.array(members, np.int64)
-    pos = np.ones(len(streams), np.int64)  # tokens seen; start from the first token
-    fresh = [s[:1] for s in streams]
-    while True:
-        live = [i for i in range(len(streams)) if pos[i] < len(streams[i])]
-        if not live:
-            break
-        flat = np.concatenate([fresh[i] for i in live]).astype(np.int32)
-        off = np.zeros(len(live) + 1, np.int64)
-        off[1:] = np.cumsum([len(fresh[i]) for i in live])
-        mids = members[live]  # the step's inputs are built outside the timed call, as for ngram
+def replay(streams, k: int, call, res: Result, on_call=None, memory=None) -> None:
+    """Replay all streams in lockstep through ``call(live rows, num_tokens) -> (drafts,
+    counts)``, one batched call per step; ``on_call(µs, batch, num_tokens)`` sees each call's
+    time. The matrix holds every stream whole: a drafter reads a row only up to its token
+    count, as in vLLM's runner. ``memory()``: the drafter's bytes, sampled when the last
+    stream passes the measured length."""
+    num = np.ones(len(streams), np.int32)  # tokens seen; start from the first token
+    lengths = np.array([len(s) for s in streams])
+    live = list(range(len(streams)))
+    measured_all = memory is None
+    while live:
         t0 = time.perf_counter_ns()
-        drafts, counts, _ = pool.ingest(mids, flat, off, k)
-        dt = (time.perf_counter_ns() - t0) / 1e3 / len(live)
+        drafts, counts = call(live, num)
+        us = (time.perf_counter_ns() - t0) / 1e3
+        if on_call is not None:
+            on_call(us, len(live), num)
+        dl, cl = drafts.tolist(), counts.tolist()
         for j, i in enumerate(live):
             s = streams[i]
-            p = int(pos[i])
-            d = drafts[j, : counts[j]]
-            a = accepted_prefix(d.tolist(), s[p:p + k].tolist())
-            res.record(p, len(d), a, dt, full=len(live) == len(streams))
-            n = min(a + 1, len(s) - p)
-            fresh[i] = s[p:p + n]
-            pos[i] = p + n
-    tokens = [pool.tokens(int(pool.members[m, 0])) for m in members]
-    return res, pool, tokens
+            p = int(num[i])
+            d = dl[j][: cl[j]]
+            a = accepted_prefix(d, s[p:p + k].tolist())
+            res.record(p, len(d), a)
+            num[i] = p + min(a + 1, len(s) - p)
+        if not measured_all and num.min() >= MEASURED[0]:
+            measured_all = True
+            res.bytes_per_token = memory() / float(num.sum())
+        if (num >= lengths).any():
+            live = [i for i in live if num[i] < lengths[i]]
+
+
+def full_batch_timing(res: Result, lat, batch: int):
+    """``on_call`` filing per-request latency of full-batch calls under the context marks."""
+    def on_call(us, n, num):
+        if n == batch:
+            res.timing(lat, num, us / n)
+    return on_call
+
+
+def sam_api_call(streams, k, **cfg):
+    """The public API, as a model runner calls it; returns (call, drafter)."""
+    mat = token_matrix(streams, k)
+    d = SamDrafter(k, **cfg)
+    ids = [f"stream-{i}" for i in range(len(streams))]
+
+    def call(live, num):
+        return d.propose_arrays(ids if len(live) == len(ids) else [ids[i] for i in live], live, mat, num)
+    return call, d
+
+
+def sam_kernel_call(streams, k, **cfg):
+    """The numba kernel alone (``AutomatonPool.ingest_own_rows``, the call the drafter makes)."""
+    mat = token_matrix(streams, k)
+    pool = AutomatonPool(**cfg)
+    batch = np.array([(pool.new_member(pool.new_automaton()), i) for i in range(len(streams))], np.int64)
+    tally = np.zeros(T_SIZE, np.int64)
+    cached = {}
+
+    def call(live, num):
+        if len(live) not in cached:
+            cached.clear()
+            cached[len(live)] = np.ascontiguousarray(batch[live])
+        return pool.ingest_own_rows(cached[len(live)], mat, num, k, tally)
+    return call
+
+
+def replay_sam(streams, k, name, **cfg) -> Result:
+    """The API replay (acceptance, API latency, whole-drafter memory), then the kernel replay
+    (its latency; it must draft exactly as the API did)."""
+    res = Result(name)
+    call, drafter = sam_api_call(streams, k, **cfg)
+    replay(streams, k, call, res, full_batch_timing(res, res.lat, len(streams)), drafter.memory_bytes)
+    kernel = Result(name)
+    replay(streams, k, sam_kernel_call(streams, k, **cfg), kernel,
+           full_batch_timing(res, res.kernel_lat, len(streams)))
+    assert (kernel.steps, kernel.accepted, kernel.drafted) == (res.steps, res.accepted, res.drafted), \
+        f"{name}: the API and the kernel drafted differently"
+    return res
+
+
+def replay_first(streams, k) -> Result:
+    """The automaton drafting from the first occurrence (kernel only: the baseline's acceptance)."""
+    res = Result("first")
+    replay(streams, k, sam_kernel_call(streams, k, from_first=True), res,
+           full_batch_timing(res, res.kernel_lat, len(streams)))
+    return res
 
 
 def replay_seed(streams, k) -> Result:
@@ -213,44 +311,96 @@ def replay_seed(streams, k) -> Result:
             dt = (time.perf_counter_ns() - t0) / 1e3
             p = pos[i]
             a = accepted_prefix(d, s[p:p + k].tolist())
-            res.record(p, len(d), a, dt)  # one request per call: the batch does not matter
+            res.record(p, len(d), a)
+            res.timing(res.lat, [p], dt)  # one request per call: the batch does not matter
             n = min(a + 1, len(s) - p)
             fresh[i] = s[p:p + n].tolist()
             pos[i] = p + n
     return res
 
 
-def replay_ngram(streams, k, min_n, max_n) -> Result | None:
+def vllm_ngram():
     try:
         from numba import set_num_threads
-        from vllm.v1.spec_decode.ngram_proposer import batch_propose_numba
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer, batch_propose_numba
         set_num_threads(1)  # as vLLM does below 8192 batch tokens; threads only add noise here
+        return NgramProposer, batch_propose_numba
     except Exception as exc:  # vLLM not installed in this interpreter
         print(f"(vLLM n-gram drafter unavailable: {type(exc).__name__}: {exc})")
         return None
+
+
+def replay_ngram(streams, k, min_n, max_n, ngram) -> Result:
+    """vLLM's n-gram drafter is stateless: each step calls its kernel alone
+    (``batch_propose_numba``, as ``NgramProposer.batch_propose`` calls it) and its API
+    (``NgramProposer.propose``) on the same inputs, each timed; both must draft the same."""
+    import inspect
+    NgramProposer, kernel = ngram
     res = Result(f"ngram{min_n}" if min_n == max_n else f"ngram{min_n}-{max_n}")
-    width = max(len(s) for s in streams) + k + 1
-    mat = np.zeros((len(streams), width), np.int32)
-    for i, s in enumerate(streams):
-        mat[i, : len(s)] = s
-    ntok = np.ones(len(streams), np.int32)
+    mat = token_matrix(streams, k)
+    max_len = mat.shape[1] + 1
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(prompt_lookup_min=min_n, prompt_lookup_max=max_n,
+                                           num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=len(streams)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    proposer = NgramProposer(cfg)  # warms its kernel on a 1024-row matrix, as in vLLM
+    with_ids = "req_ids" in inspect.signature(proposer.propose).parameters  # vLLM 0.13
+    ids = [f"stream-{i}" for i in range(len(streams))]
     drafts = np.zeros((len(streams), k), np.int32)
     ndraft = np.zeros(len(streams), np.int32)
-    while True:
-        live = [i for i in range(len(streams)) if ntok[i] < len(streams[i])]
-        if not live:
-            break
+    on_kernel = full_batch_timing(res, res.kernel_lat, len(streams))
+    on_api = full_batch_timing(res, res.lat, len(streams))
+
+    def call(live, num):
+        rows = np.asarray(live)
+        m, n = (mat, num) if len(live) == len(streams) else (mat[rows], num[rows])
+        valid = list(range(len(live)))
         t0 = time.perf_counter_ns()
-        batch_propose_numba(live, ntok, mat, min_n, max_n, width + 1, k, drafts, ndraft)
-        dt = (time.perf_counter_ns() - t0) / 1e3 / len(live)
-        for i in live:
-            s = streams[i]
-            p = int(ntok[i])
-            d = drafts[i, : ndraft[i]].tolist()
-            a = accepted_prefix(d, s[p:p + k].tolist())
-            res.record(p, len(d), a, dt, full=len(live) == len(streams))
-            ntok[i] = p + min(a + 1, len(s) - p)
+        kernel(valid, n, m, min_n, max_n, max_len, k, drafts, ndraft)
+        on_kernel((time.perf_counter_ns() - t0) / 1e3, len(live), n)
+        sampled = [[0]] * len(live)
+        t0 = time.perf_counter_ns()
+        got = (proposer.propose(sampled, [ids[i] for i in live], n, m, set()) if with_ids
+               else proposer.propose(sampled, n, m))
+        on_api((time.perf_counter_ns() - t0) / 1e3, len(live), n)
+        cnt = ndraft[: len(live)].copy()
+        assert [len(g) for g in got] == cnt.tolist(), "API and kernel drafted differently"
+        return drafts[: len(live)].copy(), cnt
+    replay(streams, k, call, res)
     return res
+
+
+# -- API cost per call and per request --------------------------------------------------------------
+
+def api_cost(files, tok, k: int) -> list[tuple[int, float, float]]:
+    """(batch, API µs per call, kernel µs per call): medians over the steps at 1K-4K tokens of
+    context, for batches of 1, 8 and 32 streams, default configuration."""
+    short = build_streams(files, tok, 32, 4096, 0, start=1)
+    out = []
+    for b in (1, 8, 32):
+        times = {"api": [], "kernel": []}
+
+        def on_call(us, n, num, _b=b, _sink=None):
+            if n == _b and 1024 <= int(np.median(num)) <= 4096:
+                _sink.append(us)
+        for _ in range(2):  # twice: a scheduling hiccup in one pass does not move the median
+            for path in ("api", "kernel"):
+                call = sam_api_call(short[:b], k)[0] if path == "api" else sam_kernel_call(short[:b], k)
+                sink = times[path]
+                replay(short[:b], k, call, Result("cost"),
+                       lambda us, n, num, _s=sink, _b=b: on_call(us, n, num, _b, _s))
+        out.append((b, float(np.median(times["api"])), float(np.median(times["kernel"]))))
+    return out
+
+
+def fit(points) -> tuple[float, float]:
+    """Least squares ``µs = per_call + per_request * batch``."""
+    b = np.array([p[0] for p in points], float)
+    y = np.array([p[1] for p in points], float)
+    slope, icept = np.polyfit(b, y, 1)
+    return float(icept), float(slope)
 
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -271,16 +421,20 @@ def seed_memory(stream) -> tuple[float, float]:
     return cur / n, objs / n
 
 
-def sam_memory(stream) -> tuple[float, float, float]:
+def sam_memory(stream) -> tuple[float, float, float, float]:
+    """One request's drafter on one stream: (one automaton's bytes/token allocated, in use,
+    whole drafter bytes/token, GC-tracked objects/token)."""
     gc.collect()
     objs0 = len(gc.get_objects())
-    pool = AutomatonPool()
-    m = pool.new_member(pool.new_automaton())
-    pool.extend_one(m, stream, k=0)
+    d = SamDrafter(3)
+    mat = token_matrix([stream], 3)
+    d.propose_arrays(["one"], [0], mat, np.array([len(stream)], np.int32))
     gc.collect()
     objs = len(gc.get_objects()) - objs0
     n = len(stream)
-    return pool.automaton_bytes(0) / n, pool.automaton_used_bytes(0) / n, objs / n
+    a = int(d.pool.members[d.member_of["one"], 0])
+    return (d.pool.automaton_bytes(a) / n, d.pool.automaton_used_bytes(a) / n, d.memory_bytes() / n,
+            objs / n)
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -300,29 +454,45 @@ def pct(v, q):
     return float(np.percentile(v, q)) if v else float("nan")
 
 
-def report(results, k):
-    print(f"\n== replay, k={k} (acc/step: accepted draft tokens per verification step; share: "
-          f"accepted / drafted; ratio: acc/step vs seed-py; latency per request per step)")
-    head = f"{'drafter':<10} {'acc/step':>8} {'share':>6} {'ratio':>6}"
-    for m in CONTEXT_MARKS:
-        head += f" | {m // 1024:>2}K med/p99 us"
+def lat_cell(v) -> str:
+    return f"{pct(v, 50):.2f} / {pct(v, 99):.2f}" if v else "-"
+
+
+def report(results, k) -> None:
+    base = next(r for r in results if r.name == "first")
+    print(f"\n== replay, k={k}: accepted draft tokens per step, share of draft tokens accepted, ratio "
+          f"of accepted/step to `first`; latency per request per step, median / p99 µs, through "
+          f"the API and for the kernel alone; whole-drafter bytes per token of context")
+    head = "| drafter | acc/step | share | vs first |"
+    head += "".join(f" API {m // 1024}K |" for m in CONTEXT_MARKS)
+    head += "".join(f" kernel {m // 1024}K |" for m in CONTEXT_MARKS)
+    head += " bytes/token |"
     print(head)
-    base = next((r for r in results if r.name == "seed-py"), None)
+    print("|" + "---|" * (5 + 2 * len(CONTEXT_MARKS)))
     for r in results:
-        aps = r.accepted / max(r.steps, 1)
-        share = r.accepted / max(r.drafted, 1)
-        ratio = aps / (base.accepted / max(base.steps, 1)) if base and base.accepted else float("nan")
-        line = f"{r.name:<10} {aps:8.3f} {share:6.1%} {ratio:6.2f}"
-        for m in CONTEXT_MARKS:
-            line += f" | {pct(r.lat[m], 50):6.2f} / {pct(r.lat[m], 99):6.2f}"
+        line = f"| `{r.name}` | {r.per_step:.3f} | {r.share:.1%} | {r.per_step / base.per_step:.2f}× |"
+        line += "".join(f" {lat_cell(r.lat[m])} |" for m in CONTEXT_MARKS)
+        line += "".join(f" {lat_cell(r.kernel_lat[m])} |" for m in CONTEXT_MARKS)
+        line += f" {r.bytes_per_token:.1f} |" if r.bytes_per_token == r.bytes_per_token else " - |"
         print(line)
+
+
+def lscpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=8, help="concurrent long streams (batch)")
     ap.add_argument("--context", type=int, default=32768, help="tokens per long stream")
-    ap.add_argument("--k", type=int, nargs="*", default=[3])
+    ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="4 streams of 8K tokens")
     ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size")
     args = ap.parse_args()
@@ -330,111 +500,103 @@ def main() -> None:
         args.streams, args.context = 4, 8192
     t_start = time.time()
     files = stdlib_files()
-    print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cpus; "
-          f"{len(files)} stdlib files")
+    try:
+        import vllm
+        stack = f"vLLM {vllm.__version__}"
+    except Exception:
+        stack = "no vLLM"
+    import numba
+    print(f"{lscpu_model()}, {os.cpu_count()} cpus; python {platform.python_version()}, numpy "
+          f"{np.__version__}, numba {numba.__version__}, {stack}; {len(files)} stdlib files")
     tok = train_tokenizer(files, args.vocab)
-    # long streams: consecutive files of disjoint slices of the library (a long rollout each)
-    streams = []
-    order = files[3::5]
-    j = 0
-    for _ in range(args.streams):
-        parts, n = [], 0
-        while n < args.context and j < len(order):
-            ids = encode(tok, order[j])
-            parts.append(ids)
-            n += len(ids)
-            j += 1
-        streams.append(np.concatenate(parts)[: args.context])
-    # each stream then runs on (not counted) so that the batch is still full when the slowest
-    # stream passes the last mark; the tails come from files no measured text uses
-    tail_files = [f for f in files if f not in set(order[:j])][::-1]
-    for i, st in enumerate(streams):
-        parts, n = [st], 0
-        while n < args.context // 2 and tail_files:
-            ids = encode(tok, tail_files.pop())
-            parts.append(ids)
-            n += len(ids)
-        streams[i] = np.concatenate(parts)[: args.context * 3 // 2]
+    streams = build_streams(files, tok, args.streams, args.context, args.context // 2)
     MEASURED[0] = args.context
-    total = len(streams) * args.context
-    print(f"{len(streams)} streams x {args.context} tokens = {total} tokens (BPE vocab "
-          f"{tok.get_vocab_size()}); each stream runs on for another {args.context // 2} tokens "
-          f"so the batch stays full up to the last mark")
+    k = args.k
+    print(f"{len(streams)} streams x {args.context} tokens = {len(streams) * args.context} tokens "
+          f"(BPE vocab {tok.get_vocab_size()}); each stream runs on for another "
+          f"{args.context // 2} tokens so the batch stays full up to the last mark")
     print(f"machine check: empty Python call {python_call_ns():.0f} ns, load average "
           f"{os.getloadavg()[0]:.2f}")
 
-    # warm the jit
-    replay_sam([streams[0][:300]], 3, "warm")
-    for k in args.k:
-        results = [replay_sam(streams, k, "sam", min_match=1, adaptive=True)[0],
-                   replay_sam(streams, k, "sam-max", min_match=1)[0],
-                   replay_sam(streams, k, "sam-first", min_match=1, from_first=True)[0],
-                   replay_sam(streams, k, "sam-r4", min_match=1, recent_len=4)[0],
-                   replay_seed(streams, k)]
-        for lo, hi in ((5, 5), (2, 5)):
-            r = replay_ngram(streams, k, lo, hi)
-            if r is not None:
-                results.append(r)
-        report(results, k)
+    compile_step_kernel()
+    replay_sam([streams[0][:300]], k, "warm")  # numba's first calls
 
-    # memory
+    results = [replay_sam(streams, k, "sam"), replay_sam(streams, k, "sam-cap", adaptive=True),
+               replay_first(streams, k)]
+    results.append(replay_seed(streams, k))
+    ngram = vllm_ngram()
+    if ngram is not None:
+        for lo, hi in ((5, 5), (2, 5)):
+            results.append(replay_ngram(streams, k, lo, hi, ngram))
+    report(results, k)
+    print("(`sam` and `sam-cap`: the API and the kernel replays drafted identically)")
+
+    cost = api_cost(files, tok, k)
+    print("\n== API cost (default configuration; median µs per call at 1K-4K tokens of context)")
+    print("| batch | API (`SamDrafter.propose_arrays`) | kernel (`AutomatonPool.ingest_own_rows`) | API - kernel |")
+    print("|---|---|---|---|")
+    for b, api, ker in cost:
+        print(f"| {b} | {api:.2f} | {ker:.2f} | {api - ker:.2f} |")
+    a0, a1 = fit([(b, api) for b, api, _ in cost])
+    k0, k1 = fit([(b, ker) for b, _, ker in cost])
+    o0, o1 = fit([(b, api - ker) for b, api, ker in cost])
+    print(f"fit, µs = per call + per request x batch: API {a0:.2f} + {a1:.2f}; kernel {k0:.2f} + "
+          f"{k1:.2f}; API - kernel {o0:.2f} + {o1:.2f}")
+
     big = streams[0][: args.context]
-    sb, su, so = sam_memory(big)
+    ab, au, wb, so = sam_memory(big)
     pb, po = seed_memory(big)
-    print(f"\n== memory at {len(big)} tokens of context")
-    print(f"sam      {sb:7.1f} bytes/token allocated ({su:.1f} in use), {so:.4f} GC objects/token")
-    print(f"seed-py  {pb:7.1f} bytes/token,                          {po:.2f} GC objects/token")
+    print(f"\n== memory at {len(big)} tokens of context, one request")
+    print(f"sam      one automaton {ab:.1f} bytes/token allocated ({au:.1f} in use); whole drafter "
+          f"{wb:.1f} bytes/token; {so:.4f} GC objects/token")
+    print(f"seed-py  {pb:.1f} bytes/token, {po:.2f} GC objects/token")
 
     # sibling groups: near-duplicate files (codec tables, generated modules) as GRPO siblings
     groups = [g for g in near_duplicate_groups(files, tok) if len(g) >= 3][:6]
     if groups:
-        sib = [s for g in groups for s in g]
-        gid = [i for i, g in enumerate(groups) for _ in g]
-        print(f"\n== sibling groups: {len(groups)} groups, {len(sib)} texts, "
-              f"{sum(len(s) for s in sib)} tokens, k=3")
-        solo = replay_sam(sib, 3, "solo", min_match=1, adaptive=True)[0]
-        lock = replay_sam(sib, 3, "group", group_of=gid, min_match=1, adaptive=True)[0]
-        # GRPO long tail: siblings finish at different times; the last one sees the others
-        # completed. Replay each group's members one after another in one automaton.
-        tail = Result("group-tail")
-        tail_solo = Result("solo-tail")
-        for g in groups:
-            for (dst, grouped) in ((tail, True), (tail_solo, False)):
-                pool = AutomatonPool(min_match=1, adaptive=True)
-                a = pool.new_automaton()
-                for s in g:
-                    if not grouped:
-                        a = pool.new_automaton()
-                    m = pool.new_member(a)
-                    r = _replay_one(pool, m, s, 3)
-                    if s is g[-1]:
-                        dst.steps += r[0]
-                        dst.drafted += r[1]
-                        dst.accepted += r[2]
-        for r in (solo, lock):
-            print(f"{r.name:<11} all siblings concurrently: {r.accepted / r.steps:.3f} accepted/step, "
-                  f"share {r.accepted / max(r.drafted, 1):.1%}")
-        print(f"last sibling after the others finished: solo {tail_solo.accepted / tail_solo.steps:.3f}"
-              f" vs group {tail.accepted / tail.steps:.3f} accepted/step "
-              f"({(tail.accepted / tail.steps) / max(tail_solo.accepted / tail_solo.steps, 1e-9):.2f}x)")
+        print(f"\n== sibling groups: {len(groups)} groups, {sum(len(g) for g in groups)} texts, "
+              f"{sum(len(s) for g in groups for s in g)} tokens, k={k}, default configuration")
+        for title, concurrent in (("all siblings concurrently", True),
+                                  ("the last sibling after the others finished (GRPO long tail)", False)):
+            got = {}
+            for grouped in (False, True):
+                got[grouped] = group_replay(groups, k, grouped, concurrent)
+            print(f"{title}: solo {got[False]:.3f} vs group {got[True]:.3f} accepted/step "
+                  f"({got[True] / max(got[False], 1e-9):.2f}x)")
     print(f"\nmachine check at the end: empty Python call {python_call_ns():.0f} ns, load "
           f"average {os.getloadavg()[0]:.2f}")
     print(f"total {time.time() - t_start:.0f} s")
 
 
-def _replay_one(pool, m, s, k):
-    steps = drafted = accepted = 0
-    p, fresh = 1, s[:1]
-    while p < len(s):
-        d, _ = pool.extend_one(m, fresh, k)
-        a = accepted_prefix(d, s[p:p + k].tolist())
-        steps += 1
-        drafted += len(d)
-        accepted += a
-        n = min(a + 1, len(s) - p)
-        fresh = s[p:p + n]
-        p += n
-    return steps, drafted, accepted
+def group_replay(groups, k, grouped: bool, concurrent: bool) -> float:
+    """Accepted tokens per step of sibling texts drafted through ``SamDrafter``: siblings share
+    a prompt (a group tag), so the drafter groups them when ``grouped``. ``concurrent``: all
+    siblings replay in lockstep (measured over all); else one after the other, and only the
+    last sibling of each group counts."""
+    steps = accepted = 0
+    for gi, g in enumerate(groups):
+        prompt = np.array([4000 + gi, 4090], np.int32)  # the group's (tag) prompt
+        texts = [np.concatenate([prompt, s]) for s in g]
+        d = SamDrafter(k, group=grouped)
+        plens = np.full(len(texts), len(prompt), np.int32)
+        mat = token_matrix(texts, k)
+        order = [list(range(len(texts)))] if concurrent else [[i] for i in range(len(texts))]
+        for live_set in order:
+            num = np.full(len(texts), len(prompt) + 1, np.int32)
+            live = list(live_set)
+            while live:
+                drafts, counts = d.propose_arrays([f"g{gi}-{i}" for i in live], live, mat, num,
+                                                  prompt_lens=plens)
+                dl, cl = drafts.tolist(), counts.tolist()
+                for j, i in enumerate(live):
+                    s, p = texts[i], int(num[i])
+                    a = accepted_prefix(dl[j][: cl[j]], s[p:p + k].tolist())
+                    if concurrent or i == len(texts) - 1:
+                        steps += 1
+                        accepted += a
+                    num[i] = p + min(a + 1, len(s) - p)
+                live = [i for i in live if num[i] < len(texts[i])]
+    return accepted / max(steps, 1)
 
 
 def near_duplicate_groups(files, tok):

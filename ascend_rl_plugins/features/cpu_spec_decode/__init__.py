@@ -12,7 +12,8 @@ included) run on CPU, for CPU users and for this project's own end-to-end tests.
   kernel shim, which does not take it: random-sampling spec decode raises TypeError.
 
 Remove when: running vLLM >= 0.23 (first two items) and the 0.23 CPU shims are fixed
-upstream (last two items, open at 0.23.0).
+upstream (last two items: the fp64-Gumbel one is merged after 0.23.0, the expand one is an
+open pull request). README.md beside this file: why, flags, verified where.
 
 This module only declares flags and patches; torch/vLLM are imported by the submodules,
 lazily, when a patched function first runs.
@@ -31,7 +32,9 @@ ENABLE = flags.define(
     feature="cpu_spec_decode")
 FEATURE = Feature("cpu_spec_decode", "speculative decoding on a CPU host with stock vLLM",
                   flag=ENABLE, replaces="none (needed to run speculative decoding on CPU)",
-                  verified=Verified(cpu_runtime="real vLLM engines with speculative decoding (0.13, 0.23)"),
+                  verified=Verified(cpu_runtime="vLLM's own rejection sampler and top-k expansion on CPU "
+                                                "tensors, with and without the patches; real "
+                                                "speculative engines (SAM's tests) on 0.13 and 0.23"),
                   stacks="recipe, current")
 
 
@@ -70,7 +73,8 @@ def _rejection_sample_cpu(wrapped, instance, args, kwargs):
                      "Triton-only in vLLM 0.13; in 0.23 the CPU shim writes into an int64 copy of "
                      "an int32 output and drops it, so top-k gets garbage ('selected index k out "
                      "of range')",
-              remove_when="the CPU expand kernel shim copies its result back (and vLLM >= 0.23)")
+              remove_when="the CPU expand kernel shim writes the caller's dtype (and vLLM >= 0.23)",
+              upstream="https://github.com/vllm-project/vllm/pull/55006")
 def _expand_batch_cpu(wrapped, instance, args, kwargs):
     x = args[0] if args else kwargs["x"]
     if x.device.type != "cpu":
@@ -99,6 +103,7 @@ FEATURE.set("vllm.utils.cpu_triton_utils:sample_recovered_tokens_kernel", _Recov
                    "kernel; the CPU shim does not take it, so random-sampling spec decode on CPU "
                    "raises TypeError",
             remove_when="vllm.utils.cpu_triton_utils._sample_recovered_tokens_kernel_impl accepts "
-                        "USE_FP64_GUMBEL")
+                        "USE_FP64_GUMBEL (merged upstream after vLLM 0.23.0)",
+            upstream="https://github.com/vllm-project/vllm/pull/46069")
 
 

@@ -1,20 +1,27 @@
-"""SAM speculative decoding: a suffix-automaton drafter for long RL rollouts (seed 003).
+"""SAM speculative decoding: a suffix-automaton drafter for the long tail of RL rollouts.
 
-Why these patches exist:
+Replaces the Qwen3 RL recipe's patches 0002-vllm-feature-enable_sam_decoding (vLLM),
+0001-vllm_ascend-feature-bs_threshold_for_spec_decode and
+0002-vllm_ascend-feature-enable_sam_decoding with ``sam_proposer.py`` (vLLM-Ascend).
+Why these patches exist (README.md beside this file: design, flags, figures, verified where):
 * vLLM has no ``method="sam"``. ``{"method": "sam"}`` is rewritten to ``method="ngram",
   model="sam"`` before vLLM validates it (so vLLM's own validation and every ngram code
   path stay intact), and the ``NgramProposer`` the model runner instantiates is wrapped to
-  return the SAM proposer when ``model == "sam"``. (The seed rewrote "sam" into "ngram"
+  return the SAM proposer when ``model == "sam"``. (The recipe rewrote "sam" into "ngram"
   too, which made its vLLM-Ascend SAM branch unreachable; here SAM is selected from
   ``model == "sam"``, which survives the rewrite.)
 * vLLM-Ascend builds its drafter in ``NPUModelRunner._get_drafter``; that is wrapped to
   return a SAM proposer derived from the Ascend n-gram proposer of the installed version.
 * Batch-size switch: speculation only while the batch is small (long tail of a rollout).
+* vLLM-Ascend 0.23's recovered-token sampling for model-free drafts under reduce sampling
+  loops per draft token with a host sync each; it is vectorized.
 * Speculative decoding on a CPU host (this project's tests, CPU users) is a separate
   feature, ``cpu_spec_decode``: nothing of it matters on an NPU.
 
 Remove when: vLLM (and vLLM-Ascend) ship a suffix-automaton proposer with group sharing
-(upstream has ``suffix`` decoding, per request, no recency drafting).
+(upstream has ``suffix`` decoding, per request, no recency drafting), or select a proposer
+class by name on every supported version (vLLM 0.23 has ``method="custom_class"``;
+vLLM-Ascend does not yet) -- then only the drafter remains, as a library.
 
 This module only declares flags and patches; numpy/numba/torch/vLLM are imported by the
 submodules, lazily, when a patched function first runs.
@@ -38,9 +45,12 @@ MIN_MATCH = flags.define(
     "Minimum length of the matched suffix before SAM proposes a draft (confidence gate).",
     minimum=1, maximum=1024, feature="sam")
 ADAPTIVE = flags.define(
-    "ASCEND_RL_SAM_ADAPTIVE", "bool", True,
-    "Confidence-scaled drafts: a matched suffix of length L proposes at most L tokens "
-    "(fewer rejected draft tokens; 0: always propose num_speculative_tokens).", feature="sam")
+    "ASCEND_RL_SAM_ADAPTIVE", "bool", False,
+    "Confidence cap: a matched suffix of length L proposes at most L tokens (a larger share "
+    "of draft tokens accepted, fewer accepted per step). Default changed from on to off: SAM "
+    "speculates in the long tail of a rollout, where verifying a few more draft tokens costs "
+    "almost nothing and accepted tokens per step is what shortens it.",
+    feature="sam")
 BATCH_THRESHOLD = flags.define(
     "ASCEND_RL_SAM_BATCH_THRESHOLD", "int", 32,
     "Speculate only while at most this many requests are scheduled (0: always). Above it "
@@ -50,13 +60,18 @@ RECENT_LEN = flags.define(
     "ASCEND_RL_SAM_RECENT_LEN", "int", 32,
     "Drafts continue the most recent earlier occurrence of the last min(L, N) tokens, L being "
     "the longest earlier-occurring suffix; also bounds the per-token bookkeeping to N + 1 "
-    "states (the seed walked every suffix link).",
+    "states (the recipe's drafter walked every suffix link).",
     minimum=1, maximum=4096, feature="sam")
 FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
-                  flag=ENABLE, replaces="seed 003 vllm 0002, vllm_ascend 0001/0002",
+                  flag=ENABLE,
+                  replaces="the Qwen3 RL recipe's patches 0002-vllm-feature-enable_sam_decoding, "
+                           "0001-vllm_ascend-feature-bs_threshold_for_spec_decode, "
+                           "0002-vllm_ascend-feature-enable_sam_decoding",
                   verified=Verified(
-                      cpu_runtime="real vLLM engines (0.13, 0.23) with the SAM drafter",
-                      doubles="vLLM-Ascend proposer selection against a runner double",
+                      cpu_runtime="real vLLM engines (0.13, 0.23) with the SAM drafter: token "
+                                  "identity with no speculation, flags through the environment",
+                      doubles="vLLM-Ascend proposer selection against a runner double; 0.23 "
+                              "recovered-token sampler vs the upstream function compiled from source",
                       static="vLLM-Ascend hook points (0.13, 0.23)"),
                   stacks="recipe, current")
 
@@ -74,8 +89,10 @@ def _sam_requested(vllm_config) -> bool:
                 versions=_VLLM, params=("self",),
                 reason="vLLM's SpeculativeMethod literal has no 'sam'; map it to ngram+model "
                        "'sam' before validation so vLLM's checks stay intact",
-                remove_when="vLLM accepts method='sam' (or a registry of proposer plugins)",
-                replaces="seed vllm 0002 (SpeculativeConfig.__post_init__ edit)")
+                remove_when="every supported vLLM selects a proposer class by name "
+                            "(method='custom_class', in vLLM 0.23) and passes it request ids",
+                upstream="https://github.com/vllm-project/vllm/pull/39487",
+                replaces="recipe vLLM patch 0002 (SpeculativeConfig.__post_init__ edit)")
 def _rewrite_sam_method(instance, args, kwargs):
     from .vllm_proposer import SAM_MODEL_NAME, rewrite_speculative_dict
     instance.speculative_config = rewrite_speculative_dict(instance.speculative_config)
@@ -92,8 +109,10 @@ def _rewrite_sam_method(instance, args, kwargs):
               order=20,
               reason="the model runner builds NgramProposer(vllm_config) for method 'ngram'; "
                      "return the SAM proposer (a NgramProposer subclass) when model == 'sam'",
-              remove_when="vLLM selects proposers through a plugin registry",
-              replaces="seed vllm 0002 / sam_proposer.py")
+              remove_when="every supported vLLM selects a proposer class by name "
+                          "(method='custom_class', in vLLM 0.23) and passes it request ids",
+              upstream="https://github.com/vllm-project/vllm/pull/39487",
+              replaces="recipe vLLM patch 0002 / sam_proposer.py")
 def _ngram_or_sam(wrapped, instance, args, kwargs):
     vllm_config = args[0] if args else kwargs.get("vllm_config")
     if _sam_requested(vllm_config):
@@ -142,7 +161,7 @@ def _threshold_active() -> bool:
                 reason="speculate only in the long tail: when more requests than the threshold "
                        "will run, drop pending SAM drafts so the step is a plain decode step",
                 remove_when="vLLM has a batch-size switch for speculative decoding in V1",
-                replaces="seed vllm_ascend 0001 (VLLM_SPECULATIVE_BATCH_SIZE_THRE)")
+                replaces="recipe vLLM-Ascend patch 0001 (VLLM_SPECULATIVE_BATCH_SIZE_THRE)")
 def _sam_batch_switch(instance, args, kwargs):
     spec = getattr(getattr(instance, "vllm_config", None), "speculative_config", None)
     if spec is None or getattr(spec, "model", None) != "sam":
@@ -158,8 +177,10 @@ def _sam_batch_switch(instance, args, kwargs):
               versions=">=0.13,<0.24", order=20, params=("self",),
               reason="vLLM-Ascend picks its proposer from the method ('ngram' after the rewrite); "
                      "return the SAM proposer when speculative_config.model == 'sam'",
-              remove_when="vLLM-Ascend ships a reachable SAM proposer",
-              replaces="seed vllm_ascend 0002 (get_spec_decode_method 'sam' branch)")
+              remove_when="vLLM-Ascend ships a reachable SAM proposer, or selects a proposer "
+                          "class by name (custom_class) on every supported version",
+              upstream="https://github.com/vllm-project/vllm-ascend/pull/15710",
+              replaces="recipe vLLM-Ascend patch 0002 (get_spec_decode_method 'sam' branch)")
 def _ascend_get_drafter(wrapped, instance, args, kwargs):
     if _sam_requested(getattr(instance, "vllm_config", None)):
         from .ascend import make_ascend_sam_proposer
@@ -193,7 +214,7 @@ def _ngram_reduced_or_upstream(implementation: str, wrapped, args, kwargs):
                      "token among its candidates in a Python loop with one host sync per draft "
                      "token; do it in one masked tensor op",
               remove_when="vLLM-Ascend vectorizes the IS_NGRAM reduce-sampling branch",
-              replaces="seed 003 (vectorized rejection sampler in vLLM-Ascend)")
+              replaces="the recipe's vectorized rejection sampler for vLLM-Ascend")
 def _ascend_recovered_tokens(wrapped, instance, args, kwargs):
     return _ngram_reduced_or_upstream("recovered_tokens_ngram_reduced", wrapped, args, kwargs)
 
@@ -203,7 +224,7 @@ def _ascend_recovered_tokens(wrapped, instance, args, kwargs):
               reason="block verification (num_speculative_tokens >= 3) has the same per-draft-"
                      "token loop for model-free drafts under reduce sampling",
               remove_when="vLLM-Ascend vectorizes the IS_NGRAM reduce-sampling branch",
-              replaces="seed 003 (vectorized rejection sampler in vLLM-Ascend)")
+              replaces="the recipe's vectorized rejection sampler for vLLM-Ascend")
 def _ascend_recovered_tokens_blockwise(wrapped, instance, args, kwargs):
     return _ngram_reduced_or_upstream("recovered_tokens_ngram_reduced_blockwise", wrapped, args,
                                       kwargs)

@@ -5,10 +5,11 @@ Why: vLLM-Ascend's PyTorch rejection sampler (used wherever Triton is unavailabl
 vectorized except in one place that every SAM/n-gram draft goes through when reduce
 sampling is on (target probabilities restricted to a candidate set, ``target_indices``):
 zeroing each draft token among its candidates loops over the draft tokens in Python and
-compares a device scalar per token (one host sync per draft token per step). Seed 003
-replaced vLLM-Ascend's loop-based sampler by tensor code for a ~10x cut in its overhead;
-vLLM-Ascend 0.13/0.23 have since vectorized the rest themselves (checked statically in
-``tests/sam/test_ascend_sampler.py``), so this is the remaining piece.
+compares a device scalar per token (one host sync per draft token per step). The Qwen3
+RL recipe replaced vLLM-Ascend's loop-based sampler by tensor code for a ~10x cut in its
+overhead (its figure); vLLM-Ascend 0.13/0.23 have since vectorized the rest themselves
+(checked statically in ``tests/features/sam/test_ascend_sampler.py``), so this is the
+remaining piece.
 
 Both functions below compute exactly what vLLM-Ascend's ``sample_recovered_tokens_pytorch``
 and ``sample_recovered_tokens_blockwise_pytorch`` compute for ``IS_NGRAM`` with

@@ -1,11 +1,11 @@
 """Incremental (generalized) suffix automaton in flat integer arrays, numba-jitted.
 
-Why this shape: the seed's drafter kept one Python dict per automaton state (~700 bytes
-and ~1.5 GC-tracked objects per token, GC stalls at 32K context) and drafted from the
-*first* occurrence of the matched suffix. Here every automaton is a few flat int32/int64
-tables (no per-state or per-token Python object), all requests of a
-decode step are handled by one jitted call, and drafts continue the *most recent*
-occurrence of the recent context.
+Why this shape: the Qwen3 RL recipe's drafter kept one Python dict per automaton state
+(~700 bytes and ~1.5 GC-tracked objects per token, GC stalls at 32K context) and drafted
+from the *first* occurrence of the matched suffix. Here every automaton is a few flat
+int32/int64 tables (no per-state or per-token Python object), all requests of a decode
+step are handled by one jitted call, and drafts continue the *most recent* occurrence of
+the recent context.
 
 One automaton can hold several texts ("members") that grow in any interleaving: it is a
 generalized suffix automaton, so GRPO siblings that share a prompt draft from each
@@ -26,16 +26,18 @@ they never move and cost exactly the pages its text has filled; growing by copyi
 one decode step in ~8 take 20-40 us at 2K tokens. Hash segments (small) share one arena
 and grow x1.5 by rehashing inside the decode step; the arena itself is reallocated x2 or
 compacted in Python, rarely. A decode step is one jitted call whose arrays are reached
-through a descriptor of raw addresses (``_ingest_step``), because numba unboxes each
-array argument separately (~0.35 us each).
+through a descriptor of raw addresses, because numba unboxes each array argument
+separately (~0.1-0.35 us each): ``_ingest_step`` takes new tokens laid out flat,
+``_rows_step`` (what the request-level drafter calls) reads them straight from the
+runner's token matrix and also settles the previous drafts and caps the new ones.
 
 Which occurrence is drafted from: FIRST (earliest end position) is kept for every state;
 LAST (most recent end position) is kept exact for every state whose shortest string is at
 most ``recent_len`` tokens long -- exactly the states a draft consults. Each member tracks
 the state holding its last ``recent_len`` tokens (O(1) per token) and refreshes LAST on
 that state's <= recent_len + 1 suffix-link ancestors, so the bookkeeping per token is
-bounded however long the repeats are (the seed walked every suffix link). The draft
-continues the most recent earlier occurrence of the last min(L, recent_len) tokens, L
+bounded however long the repeats are (the recipe's drafter walked every suffix link). The
+draft continues the most recent earlier occurrence of the last min(L, recent_len) tokens, L
 being the longest earlier-occurring suffix; with the default recent_len (32) that is the
 most recent occurrence of the longest match in all but long verbatim copies. (Small
 recent_len values predict better token by token but worse in a speculative replay: see
@@ -71,7 +73,12 @@ META_COLS = 15
 # member columns: automaton, its text's state, its last arena position, tokens seen,
 # alive, and the state holding its last min(n, recent_len) tokens (with that length)
 B_AID, B_STATE, B_POS, B_NTOK, B_ALIVE, B_SHORT, B_SHORTLEN = 0, 1, 2, 3, 4, 5, 6
-MEMBER_COLS = 7
+# ... and, for a drafter: tokens seen when its pending draft was made (-1: none), that
+# draft's length, and the draft tokens accepted so far
+B_DEND, B_DLEN, B_ACC = 7, 8, 9
+MEMBER_COLS = 10
+_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0)  # (automaton filled in) alive, no text
+_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0)
 
 SMALL_DEGREE = 4
 TOKEN_BITS = 19  # token ids must be < 2**19 (524,288); checked in the kernel
@@ -95,6 +102,9 @@ D_RESUME = 13  # 3 slots: member, token, hash slots the automaton's segment must
 D_HTOP = 16  # first free slot at the top of the hash arena
 D_HWASTE = 17  # hash arena slots in holes left by moved or freed segments
 D_SIZE = 18
+# a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts
+T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED = 0, 1, 2, 3, 4
+T_SIZE = 5
 
 
 @intrinsic
@@ -391,6 +401,116 @@ def _move_hash(meta, HA, htop, a, need):
 
 
 @njit(cache=True)
+def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len, from_first,
+                   adaptive, out, i, need, resume):
+    """Append ``toks[j:]`` to member ``m`` and, after the last token, draft up to ``k`` tokens
+    into ``out[i]`` (k == 0: ingest only; no new token: no draft).
+
+    Returns DONE, or BAD_TOKEN for a token id out of range, or the automaton whose hash
+    segment must grow to ``need[2]`` slots when the hash arena lacks the room; then
+    ``resume`` holds (i, the token index, need[2]): token ``j`` was not appended, so the
+    caller resumes there."""
+    out[i, OUT_N] = 0  # written again at the member's last new token
+    out[i, OUT_MATCH] = 0
+    limit = 1 << TOKEN_BITS
+    a = members[m, B_AID]
+    S = carray(_i32_at(meta[a, M_SP]), (meta[a, M_SR], S_COLS))
+    E = carray(_i32_at(meta[a, M_EP]), (meta[a, M_ER], E_COLS))
+    T = carray(_i32_at(meta[a, M_TP]), (meta[a, M_TR], T_COLS))
+    H = HA[meta[a, M_HB]:meta[a, M_HB] + meta[a, M_HC]]
+    end = toks.shape[0]
+    while j < end:
+        c = toks[j]
+        if c < 0 or c >= limit:
+            resume[0] = i
+            resume[1] = j
+            return BAD_TOKEN
+        if meta[a, M_FULL]:  # at its id limit: keeps counting, stops learning
+            members[m, B_NTOK] += 1
+            j += 1
+            continue
+        last = members[m, B_STATE]
+        ppos = members[m, B_POS]
+        pos = meta[a, M_NT]
+        if pos + 1 > T.shape[0]:
+            new_last = np.int64(-2)  # its reserved token rows are full
+            match = np.int64(0)
+        else:
+            new_last, match = _extend(S, E, H, meta, a, last, c, pos, need)
+            if new_last == -1 and (need[0] > S.shape[0] or need[1] > E.shape[0]):
+                new_last = np.int64(-2)  # its reserved state or edge rows are full
+        if new_last == -2:
+            meta[a, M_FULL] = 1
+            members[m, B_NTOK] += 1
+            j += 1
+            continue
+        if new_last < 0:  # the hash segment must grow
+            if _move_hash(meta, HA, htop, a, need[2]):
+                H = HA[meta[a, M_HB]:meta[a, M_HB] + meta[a, M_HC]]
+                continue  # the same token again
+            resume[0] = i
+            resume[1] = j
+            resume[2] = need[2]
+            return a
+        meta[a, M_NT] = pos + 1
+        T[pos, TTOKEN] = c
+        T[pos, TNEXT] = -1
+        if ppos >= 0:
+            T[ppos, TNEXT] = pos
+        members[m, B_STATE] = new_last
+        members[m, B_POS] = pos
+        members[m, B_NTOK] += 1
+        # the state holding the last min(n, recent_len) tokens. A split since the last
+        # append may have moved that string into a clone (the state's new suffix link):
+        # follow links while the link still holds strings that long.
+        sh = np.int64(members[m, B_SHORT])
+        vlen = members[m, B_SHORTLEN]
+        while S[sh, LINK] >= 0 and S[S[sh, LINK], LEN] >= vlen:
+            sh = np.int64(S[sh, LINK])
+        v = _target(S, E, _find(S, E, H, sh, c))
+        vlen += 1
+        if vlen > recent_len:
+            vlen = recent_len
+            if S[S[v, LINK], LEN] >= recent_len:
+                v = np.int64(S[v, LINK])
+        members[m, B_SHORT] = v
+        members[m, B_SHORTLEN] = vlen
+        mlen = S[match, LEN]
+        if from_first:
+            src = S[match, FIRST]
+        elif mlen >= recent_len:
+            src = S[v, LAST]  # most recent earlier end of the last recent_len tokens
+        else:
+            src = S[match, LAST]
+        u = v
+        while u > 0:
+            S[u, LAST] = pos
+            u = S[u, LINK]
+        if j == end - 1:
+            out[i, OUT_MATCH] = mlen
+            n = 0
+            if k > 0 and match != 0 and mlen >= min_match:
+                first = T[src, TNEXT]
+                if first < 0:
+                    # the most recent occurrence is the current end of a sibling that
+                    # is level with this member (nothing follows it yet): use the
+                    # first occurrence of the match, which has a continuation
+                    first = T[S[match, FIRST], TNEXT]
+                p = first
+                # confidence: a match of length L proposes at most L tokens
+                kk = min(k, mlen) if adaptive else k
+                while n < kk and p >= 0:
+                    out[i, OUT_DRAFT + n] = T[p, TTOKEN]
+                    n += 1
+                    # A match inside the member's own recent text overlaps its end:
+                    # the text is periodic there, so continue from the source again.
+                    p = first if p == pos else T[p, TNEXT]
+            out[i, OUT_N] = n
+        j += 1
+    return DONE
+
+
+@njit(cache=True)
 def _ingest_batch(meta, members, HA, member_ids, tok_flat, tok_off, k,
                   min_match, recent_len, from_first, adaptive, out, resume, htop):
     """Append each member's new tokens, then draft up to ``k`` tokens for it.
@@ -404,7 +524,6 @@ def _ingest_batch(meta, members, HA, member_ids, tok_flat, tok_off, k,
     resume[0:2] then says where to continue.
     """
     need = np.zeros(3, np.int64)
-    limit = 1 << TOKEN_BITS
     b = member_ids.shape[0]
     if tok_off.shape[0] != b + 1 or out.shape[0] < b or out.shape[1] < OUT_DRAFT + k or k < 0:
         return BAD_OFFSETS
@@ -418,102 +537,11 @@ def _ingest_batch(meta, members, HA, member_ids, tok_flat, tok_off, k,
         if m < 0 or m >= members.shape[0] or members[m, B_ALIVE] == 0:
             resume[0] = i
             return DEAD_MEMBER
-        a = members[m, B_AID]
-        S = carray(_i32_at(meta[a, M_SP]), (meta[a, M_SR], S_COLS))
-        E = carray(_i32_at(meta[a, M_EP]), (meta[a, M_ER], E_COLS))
-        T = carray(_i32_at(meta[a, M_TP]), (meta[a, M_TR], T_COLS))
-        H = HA[meta[a, M_HB]:meta[a, M_HB] + meta[a, M_HC]]
         j = tok_off[i] if i != resume[0] else max(tok_off[i], resume[1])
-        out[i, OUT_N] = 0
-        out[i, OUT_MATCH] = 0
-        while j < tok_off[i + 1]:
-            c = tok_flat[j]
-            if c < 0 or c >= limit:
-                resume[0] = i
-                resume[1] = j
-                return BAD_TOKEN
-            if meta[a, M_FULL]:  # at its id limit: keeps counting, stops learning
-                members[m, B_NTOK] += 1
-                j += 1
-                continue
-            last = members[m, B_STATE]
-            ppos = members[m, B_POS]
-            pos = meta[a, M_NT]
-            if pos + 1 > T.shape[0]:
-                new_last = np.int64(-2)  # its reserved token rows are full
-                match = np.int64(0)
-            else:
-                new_last, match = _extend(S, E, H, meta, a, last, c, pos, need)
-                if new_last == -1 and (need[0] > S.shape[0] or need[1] > E.shape[0]):
-                    new_last = np.int64(-2)  # its reserved state or edge rows are full
-            if new_last == -2:
-                meta[a, M_FULL] = 1
-                members[m, B_NTOK] += 1
-                j += 1
-                continue
-            if new_last < 0:  # the hash segment must grow
-                if _move_hash(meta, HA, htop, a, need[2]):
-                    H = HA[meta[a, M_HB]:meta[a, M_HB] + meta[a, M_HC]]
-                    continue  # the same token again
-                resume[0] = i
-                resume[1] = j
-                resume[2] = need[2]
-                return a
-            meta[a, M_NT] = pos + 1
-            T[pos, TTOKEN] = c
-            T[pos, TNEXT] = -1
-            if ppos >= 0:
-                T[ppos, TNEXT] = pos
-            members[m, B_STATE] = new_last
-            members[m, B_POS] = pos
-            members[m, B_NTOK] += 1
-            # the state holding the last min(n, recent_len) tokens. A split since the last
-            # append may have moved that string into a clone (the state's new suffix link):
-            # follow links while the link still holds strings that long.
-            sh = np.int64(members[m, B_SHORT])
-            vlen = members[m, B_SHORTLEN]
-            while S[sh, LINK] >= 0 and S[S[sh, LINK], LEN] >= vlen:
-                sh = np.int64(S[sh, LINK])
-            v = _target(S, E, _find(S, E, H, sh, c))
-            vlen += 1
-            if vlen > recent_len:
-                vlen = recent_len
-                if S[S[v, LINK], LEN] >= recent_len:
-                    v = np.int64(S[v, LINK])
-            members[m, B_SHORT] = v
-            members[m, B_SHORTLEN] = vlen
-            mlen = S[match, LEN]
-            if from_first:
-                src = S[match, FIRST]
-            elif mlen >= recent_len:
-                src = S[v, LAST]  # most recent earlier end of the last recent_len tokens
-            else:
-                src = S[match, LAST]
-            u = v
-            while u > 0:
-                S[u, LAST] = pos
-                u = S[u, LINK]
-            if j == tok_off[i + 1] - 1:
-                out[i, OUT_MATCH] = mlen
-                n = 0
-                if k > 0 and match != 0 and mlen >= min_match:
-                    first = T[src, TNEXT]
-                    if first < 0:
-                        # the most recent occurrence is the current end of a sibling that
-                        # is level with this member (nothing follows it yet): use the
-                        # first occurrence of the match, which has a continuation
-                        first = T[S[match, FIRST], TNEXT]
-                    p = first
-                    # confidence: a match of length L proposes at most L tokens
-                    kk = min(k, mlen) if adaptive else k
-                    while n < kk and p >= 0:
-                        out[i, OUT_DRAFT + n] = T[p, TTOKEN]
-                        n += 1
-                        # A match inside the member's own recent text overlaps its end:
-                        # the text is periodic there, so continue from the source again.
-                        p = first if p == pos else T[p, TNEXT]
-                out[i, OUT_N] = n
-            j += 1
+        code = _ingest_member(meta, members, HA, htop, m, tok_flat[:tok_off[i + 1]], j, k,
+                              min_match, recent_len, from_first, adaptive, out, i, need, resume)
+        if code != DONE:
+            return code
     resume[0] = 0
     resume[1] = 0
     return DONE
@@ -532,7 +560,78 @@ def _ingest_step(desc, member_ids, tok_flat, tok_off, k):
                          desc[D_HTOP:D_HTOP + 2])
 
 
-_ENTRY = [None]  # compiled entry point of _ingest_step (see _step_entry)
+@njit(cache=True)
+def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
+    """One decode step of a drafter, read straight from the runner's token matrix.
+
+    ``batch[i] = (member, row)``: member ``batch[i, 0]`` has seen ``members[., B_NTOK]`` tokens
+    of ``token_ids[row]`` and now gets those up to ``num_tokens[row]``; then it drafts up to
+    ``k`` tokens, capped so that the step's tokens fit ``tally[T_MAX_LEN]`` (0: no cap).
+    Before ingesting, the member's previous draft is settled: the tokens that arrived since
+    it was made say how many of it were accepted (``tally`` counts proposals, drafted,
+    accepted and verified drafts; ``members[., B_ACC]`` per member).
+
+    Returns DONE, DEAD_MEMBER / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which
+    entry), or the automaton whose hash segment must grow (then call again: members already
+    settled and ingested are not redone, since a member's start is its token count).
+    """
+    meta = carray(_i64_at(desc[D_META]), (desc[D_META + 1], META_COLS))
+    members = carray(_i64_at(desc[D_MEMBERS]), (desc[D_MEMBERS + 1], MEMBER_COLS))
+    HA = carray(_i64_at(desc[D_H]), (desc[D_H + 1],))
+    out = carray(_i32_at(desc[D_OUT]), (desc[D_OUT + 1], desc[D_OUT_COLS]))
+    resume = desc[D_RESUME:D_RESUME + 3]
+    htop = desc[D_HTOP:D_HTOP + 2]
+    min_match, recent_len = desc[D_MIN_MATCH], desc[D_RECENT_LEN]
+    from_first, adaptive = desc[D_FROM_FIRST] != 0, desc[D_ADAPTIVE] != 0
+    max_len = tally[T_MAX_LEN]
+    need = np.zeros(3, np.int64)
+    b = batch.shape[0]
+    if out.shape[0] < b or out.shape[1] < OUT_DRAFT + k or k < 0:
+        return BAD_OFFSETS
+    for i in range(resume[0], b):
+        m = batch[i, 0]
+        row = batch[i, 1]
+        if m < 0 or m >= members.shape[0] or members[m, B_ALIVE] == 0:
+            resume[0] = i
+            return DEAD_MEMBER
+        if row < 0 or row >= token_ids.shape[0] or row >= num_tokens.shape[0]:
+            resume[0] = i
+            return BAD_OFFSETS
+        start = members[m, B_NTOK]
+        end = max(np.int64(num_tokens[row]), start)
+        if end > token_ids.shape[1]:
+            resume[0] = i
+            return BAD_OFFSETS
+        if members[m, B_DEND] >= 0 and end > start:
+            # settle the previous draft once tokens arrived (then it is cleared, so a call
+            # resumed after a hash growth does not count it twice)
+            if members[m, B_DEND] == start:
+                acc = min(end - start - 1, members[m, B_DLEN])  # the last token is the bonus
+                tally[T_ACCEPTED] += acc
+                members[m, B_ACC] += acc
+                tally[T_VERIFIED] += 1
+            members[m, B_DEND] = -1
+        code = _ingest_member(meta, members, HA, htop, m, token_ids[row, :end], start, k,
+                              min_match, recent_len, from_first, adaptive, out, i, need, resume)
+        if code != DONE:
+            return code
+        n = out[i, OUT_N]
+        if max_len > 0 and n > max_len - end - 1:
+            # the step schedules the last token plus the draft, and vLLM's scheduler keeps
+            # num_computed + scheduled <= max_model_len - 1: at most max_len - end - 1 drafts
+            n = max(max_len - end - 1, 0)
+            out[i, OUT_N] = n
+        if n > 0:
+            members[m, B_DEND] = end
+            members[m, B_DLEN] = n
+            tally[T_PROPOSALS] += 1
+            tally[T_DRAFTED] += n
+    resume[0] = 0
+    resume[1] = 0
+    return DONE
+
+
+_ENTRY = [None, None]  # compiled entry points of _ingest_step and _rows_step (see _entry)
 _HASH_INIT = 16
 _PAGE = mmap.PAGESIZE
 # Every automaton reserves address space for rows up to the id limit (~185 MB of address
@@ -562,27 +661,34 @@ _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 _ndarray = np.ndarray
 
 
-def _step_entry():
-    """The compiled entry point of ``_ingest_step`` for any-stride 1-d inputs.
+_SIGNATURES = (
+    (types.int64[::1], types.int64[:], types.int32[:], types.int64[:], types.int64),
+    (types.int64[::1], types.int64[:, ::1], types.int32[:, :], types.int32[:], types.int64,
+     types.int64[::1]),
+)
 
-    Calling it skips numba's per-call type dispatch; the price is that nothing checks the
-    argument types, so ``ingest`` checks dtype and rank of the inputs itself (layouts and
-    offsets are the kernel's business)."""
-    fn = _ENTRY[0]
+
+def _entry(which: int):
+    """The compiled entry point of ``_ingest_step`` (0) or ``_rows_step`` (1).
+
+    Calling it skips numba's per-call type dispatch (~1 us); the price is that nothing
+    checks the argument types, so ``ingest`` and ``ingest_rows`` check dtype and rank of the
+    inputs themselves (layouts and offsets are the kernels' business)."""
+    fn = _ENTRY[which]
     if fn is None:
-        sig = (types.int64[::1], types.int64[:], types.int32[:], types.int64[:], types.int64)
-        _ingest_step.compile(sig)
-        fn = _ENTRY[0] = _ingest_step.overloads[sig].entry_point
+        kernel, sig = (_ingest_step, _rows_step)[which], _SIGNATURES[which]
+        kernel.compile(sig)
+        fn = _ENTRY[which] = kernel.overloads[sig].entry_point
     return fn
 
 
 def compile_step_kernel() -> None:
-    """Compile the decode-step kernel now (or load it from numba's on-disk cache).
+    """Compile the drafter's decode-step kernel now (or load it from numba's on-disk cache).
 
     An engine calls this when it builds its proposer, as vLLM's n-gram proposer warms its
     own kernel, so the compilation (seconds on a cold cache) is paid at start-up and not
     inside the first decode step."""
-    _step_entry()
+    _entry(1)
 
 
 def _as_1d(x, dtype):
@@ -738,7 +844,8 @@ class AutomatonPool:
             self._n_members += 1
             if m >= self.members.shape[0]:
                 self.members = np.concatenate([self.members, np.zeros_like(self.members)])
-        self.members[m] = (automaton, 0, -1, 0, 1, 0, 0)
+        self.members[m] = _FRESH_MEMBER
+        self.members[m, B_AID] = automaton
         self.meta[automaton, M_MEMBERS] += 1
         return m
 
@@ -747,7 +854,7 @@ class AutomatonPool:
         if not self.members[member, B_ALIVE]:
             return
         a = int(self.members[member, B_AID])
-        self.members[member] = (0, 0, -1, 0, 0, 0, 0)
+        self.members[member] = _DEAD_MEMBER
         self._free_members.append(member)
         self.meta[a, M_MEMBERS] -= 1
         if self.meta[a, M_MEMBERS] == 0 and not keep_text:
@@ -758,7 +865,7 @@ class AutomatonPool:
         if not self.meta[a, M_ALIVE]:
             return
         for m in np.nonzero((self.members[:, B_ALIVE] == 1) & (self.members[:, B_AID] == a))[0]:
-            self.members[m] = (0, 0, -1, 0, 0, 0, 0)
+            self.members[m] = _DEAD_MEMBER
             self._free_members.append(int(m))
         self._desc[D_HWASTE] += int(self.meta[a, M_HC])
         self.meta[a] = 0
@@ -786,13 +893,16 @@ class AutomatonPool:
         views = self._views.get((member_ids.shape[0], k))
         if views is None:
             views = self._make_views(member_ids.shape[0], k)
-        fn = _ENTRY[0] or _step_entry()
+        fn = _ENTRY[0] or _entry(0)
         desc = self._desc
         while True:
             a = fn(desc, member_ids, tok_flat, tok_off, k)
             if a == DONE:
                 return views
-            self._slow_return(a, member_ids, tok_flat, tok_off)
+            self._slow_return(
+                a, lambda i, j: int(tok_flat[j]), lambda i: int(member_ids[i]),
+                lambda i: f"tok_off must be {member_ids.shape[0] + 1} non-decreasing offsets into "
+                          f"tok_flat (length {tok_flat.shape[0]}), got {tok_off.tolist()[:16]}")
 
     def _make_views(self, b: int, k: int):
         if not isinstance(k, (int, np.integer)) or k < 0:
@@ -809,8 +919,10 @@ class AutomatonPool:
                                        out[:b, OUT_MATCH])
         return views
 
-    def _slow_return(self, a: int, member_ids, tok_flat, tok_off) -> None:
-        """Grow the automaton the kernel stopped at, or raise for bad input."""
+    def _slow_return(self, a: int, token_at, member_at, bad_offsets) -> None:
+        """Grow the automaton the kernel stopped at, or raise for bad input: ``token_at(i, j)``,
+        ``member_at(i)`` and ``bad_offsets(i)`` describe the input at the kernel's resume slots
+        (entry ``i``, token ``j``)."""
         resume = self._desc[D_RESUME:D_RESUME + 3]
         if a >= 0:
             self._grow_hash(int(a), int(resume[2]))
@@ -818,12 +930,50 @@ class AutomatonPool:
         i, j = int(resume[0]), int(resume[1])
         resume[:] = 0
         if a == BAD_TOKEN:
-            raise ValueError(f"token ids must be in [0, {1 << TOKEN_BITS}); got "
-                             f"{int(tok_flat[j])} for member {int(member_ids[i])}")
+            raise ValueError(f"token ids must be in [0, {1 << TOKEN_BITS}); got {token_at(i, j)} "
+                             f"for member {member_at(i)}")
         if a == DEAD_MEMBER:
-            raise ValueError(f"ingest got a released member id: {int(member_ids[i])}")
-        raise ValueError(f"tok_off must be {member_ids.shape[0] + 1} non-decreasing offsets into "
-                         f"tok_flat (length {tok_flat.shape[0]}), got {tok_off.tolist()[:16]}")
+            raise ValueError(f"got a released member id: {member_at(i)}")
+        raise ValueError(bad_offsets(i))
+
+    def ingest_rows(self, batch, token_ids, num_tokens, k: int, tally):
+        """A drafter's decode step: ``batch[i] = (member, row)`` gets ``token_ids[row]`` up to
+        ``num_tokens[row]`` and drafts (see ``_rows_step``). Returns (drafts[B, k], n_draft[B])
+        views of the pool's reused output buffer. ``batch`` (int64, C-contiguous [B, 2]) and
+        ``tally`` (int64[T_SIZE]) belong to the caller; ``token_ids`` (2-d) and ``num_tokens``
+        (1-d) are int32 as vLLM keeps them, any strides (other dtypes are converted)."""
+        if not (type(batch) is _ndarray and batch.dtype is _I64 and batch.ndim == 2
+                and batch.shape[1] == 2 and batch.flags.c_contiguous
+                and type(tally) is _ndarray and tally.dtype is _I64 and tally.shape == (T_SIZE,)):
+            raise ValueError("ingest_rows: batch must be a C-contiguous int64 [B, 2] array of "
+                             "(member, row), tally an int64 array of T_SIZE counters")
+        return self.ingest_own_rows(batch, token_ids, num_tokens, k, tally)
+
+    def ingest_own_rows(self, batch, token_ids, num_tokens, k: int, tally):
+        """:meth:`ingest_rows` for a caller whose ``batch`` and ``tally`` are known to be right
+        (a drafter's own arrays): those two are not checked."""
+        if not (type(token_ids) is _ndarray and token_ids.dtype is _I32 and token_ids.ndim == 2):
+            token_ids = np.asarray(token_ids, np.int32)
+            if token_ids.ndim != 2:
+                raise ValueError(f"token_ids must be a 2-d matrix of token rows, got shape "
+                                 f"{token_ids.shape}")
+        if not (type(num_tokens) is _ndarray and num_tokens.dtype is _I32 and num_tokens.ndim == 1):
+            num_tokens = _as_1d(num_tokens, _I32)
+        b = batch.shape[0]
+        views = self._views.get((b, k))
+        if views is None:
+            views = self._make_views(b, k)
+        fn = _ENTRY[1] or _entry(1)
+        desc = self._desc
+        while True:
+            a = fn(desc, batch, token_ids, num_tokens, k, tally)
+            if a == DONE:
+                return views[0], views[1]
+            self._slow_return(
+                a, lambda i, j: int(token_ids[batch[i, 1], j]), lambda i: int(batch[i, 0]),
+                lambda i: f"ingest_rows: row {int(batch[i, 1])} (entry {i}) is outside token_ids "
+                          f"{token_ids.shape} / num_tokens {num_tokens.shape}, or its token count "
+                          f"exceeds the row")
 
     def extend_one(self, member: int, tokens, k: int = 0):
         """Convenience: one member, returns (draft list, match length)."""

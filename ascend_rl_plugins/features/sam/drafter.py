@@ -1,9 +1,16 @@
 """Request-level SAM drafter: request ids -> automaton members, sibling groups, cleanup.
 
 Shared by the vLLM proposer (GPU/CPU model runner, both vLLM versions) and the
-vLLM-Ascend proposers. Per decode step it does O(batch) Python bookkeeping (dict lookups)
-and one jitted call that gathers each request's new tokens straight from the runner's
-token matrix, appends them and drafts.
+vLLM-Ascend proposers, and usable on its own by any engine that keeps its requests' tokens
+in a matrix (one row per request) -- see the feature README.
+
+Per decode step the Python side does almost nothing: when the batch is the one of the
+previous step (the same request ids in the same rows, the common case in a decode loop)
+it makes one jitted call that, for every request, settles its previous draft (how many of
+its tokens the model accepted), reads its new tokens straight from the token matrix,
+appends them to its automaton and drafts, capped to what the scheduler can verify before
+``max_model_len``. Only when requests join, leave or move rows is there Python work per
+request (dict lookups, a new automaton or member for a new request).
 
 Group mode: requests whose prompt token ids are identical (vLLM ``n > 1`` children, or GRPO
 rollouts sent as separate requests with the same prompt) share one generalized automaton;
@@ -13,64 +20,114 @@ memory is released when its last member finishes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
-from numba import njit
 
-from .automaton import B_NTOK, AutomatonPool
+from .automaton import (B_ACC, B_DEND, M_ALIVE, T_ACCEPTED, T_DRAFTED, T_MAX_LEN, T_PROPOSALS,
+                        T_SIZE, T_VERIFIED, AutomatonPool)
 
-
-@njit(cache=True)
-def _gather_rows(token_ids, rows, starts, ends, out_flat, out_off):
-    n = 0
-    for i in range(rows.shape[0]):
-        out_off[i] = n
-        r = rows[i]
-        for j in range(starts[i], ends[i]):
-            out_flat[n] = token_ids[r, j]
-            n += 1
-    out_off[rows.shape[0]] = n
-    return n
+# how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
+# (a long rollout finishes millions of requests: the record must not grow with them)
+FINISHED_RECORD = 1024
 
 
-@dataclass
 class DrafterStats:
-    """Counted by the drafter itself, so they exist on every vLLM version."""
+    """Counters of a drafter, read live from the arrays its kernel updates."""
 
-    steps: int = 0
-    proposals: int = 0  # requests that got a non-empty draft
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0  # draft tokens confirmed by the next step's tokens
-    verified_drafts: int = 0  # drafts whose outcome was observed
-    inactive_steps: int = 0  # steps over the batch-size threshold (ingest only)
-    per_request_accepted: dict = field(default_factory=dict)
+    def __init__(self, drafter: "SamDrafter"):
+        self._d = drafter
+
+    @property
+    def steps(self) -> int:
+        return self._d._steps
+
+    @property
+    def inactive_steps(self) -> int:  # steps over the batch-size threshold (ingest only)
+        return self._d._inactive_steps
+
+    @property
+    def proposals(self) -> int:  # request-steps that got a non-empty draft
+        return int(self._d._tally[T_PROPOSALS])
+
+    @property
+    def drafted_tokens(self) -> int:
+        return int(self._d._tally[T_DRAFTED])
+
+    @property
+    def accepted_tokens(self) -> int:  # draft tokens confirmed by the next step's tokens
+        return int(self._d._tally[T_ACCEPTED])
+
+    @property
+    def verified_drafts(self) -> int:  # drafts whose outcome was observed
+        return int(self._d._tally[T_VERIFIED])
+
+    @property
+    def per_request_accepted(self) -> dict:
+        """Accepted draft tokens per request id: live requests, and the last
+        ``FINISHED_RECORD`` finished ones."""
+        d = self._d
+        out = dict(d._finished_accepted)
+        for r, m in d.member_of.items():
+            out[r] = int(d.pool.members[m, B_ACC])
+        return out
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k != "per_request_accepted"}
-        d["acceptance_share"] = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        d = {k: getattr(self, k) for k in ("steps", "proposals", "drafted_tokens",
+                                           "accepted_tokens", "verified_drafts", "inactive_steps")}
+        d["acceptance_share"] = d["accepted_tokens"] / d["drafted_tokens"] if d["drafted_tokens"] else 0.0
         return d
 
 
 class SamDrafter:
-    """Drafts for a batch of requests identified by id, given their token rows."""
+    """Drafts for a batch of requests identified by id, given their token rows.
+
+    ``k``: draft tokens per step; ``group``: siblings with identical prompts share one
+    automaton; ``adaptive``: a match of length L drafts at most L tokens; ``max_model_len``:
+    drafts stop where the scheduler could not verify them. The flags of the ``sam`` feature
+    map one to one onto these arguments (see ``vllm_proposer.build_drafter``)."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
-                 batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = True,
+                 batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
                  max_model_len: int | None = None):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
         self.group = bool(group)
         self.batch_threshold = int(batch_threshold)
-        self.max_model_len = max_model_len
         self.pool = AutomatonPool(min_match=min_match, recent_len=recent_len, adaptive=adaptive)
         self.member_of: dict[str, int] = {}
         self.group_of: dict[str, bytes | str] = {}
         self.groups: dict[bytes | str, int] = {}  # group key -> automaton id
-        self.last_draft: dict[str, tuple[int, int]] = {}  # req -> (tokens seen, draft len)
-        self.stats = DrafterStats()
-        self._flat = np.zeros(4096, np.int32)
+        self._tally = np.zeros(T_SIZE, np.int64)
+        self.max_model_len = max_model_len
+        self._steps = 0
+        self._inactive_steps = 0
+        self._finished_accepted: dict[str, int] = {}
+        self.stats = DrafterStats(self)
+        # the batch of the previous step: (request ids, rows) and its (member, row) array
+        self._key_ids: list = []
+        self._key_rows: list = []
+        self._batch = np.zeros((0, 2), np.int64)
+        self._live_key: list | None = None
+
+    @property
+    def max_model_len(self) -> int | None:
+        return int(self._tally[T_MAX_LEN]) or None
+
+    @max_model_len.setter
+    def max_model_len(self, value: int | None) -> None:
+        self._tally[T_MAX_LEN] = int(value or 0)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.pool.adaptive
+
+    @property
+    def min_match(self) -> int:
+        return self.pool.min_match
+
+    @property
+    def recent_len(self) -> int:
+        return self.pool.recent_len
 
     # -- membership -----------------------------------------------------------------------------
     def _member_for(self, req_id: str, prompt: np.ndarray | None) -> int:
@@ -92,84 +149,86 @@ class SamDrafter:
     def release(self, req_id: str) -> None:
         """Forget a finished/aborted request (its group goes with its last member)."""
         m = self.member_of.pop(req_id, None)
-        self.last_draft.pop(req_id, None)
         key = self.group_of.pop(req_id, None)
         if m is None:
             return
+        self._key_ids = []  # the cached batch may hold this member
+        record = self._finished_accepted
+        record[req_id] = int(self.pool.members[m, B_ACC])
+        if len(record) > FINISHED_RECORD:
+            del record[next(iter(record))]
         self.pool.release_member(m)
-        if key is not None and not self.pool.meta[self.groups[key], 4]:  # M_ALIVE
+        if key is not None and not self.pool.meta[self.groups[key], M_ALIVE]:
             del self.groups[key]
 
     def retain_only(self, live_req_ids) -> None:
         """Release every request not in ``live_req_ids`` (finished, aborted or preempted;
-        a preempted request is simply re-ingested from its token row when it returns)."""
-        if len(self.member_of) <= len(live_req_ids) and all(r in live_req_ids for r in self.member_of):
+        a preempted request is simply re-ingested from its token row when it returns).
+        Free when the ids are those of the previous call."""
+        if type(live_req_ids) is not list:
+            live_req_ids = list(live_req_ids)
+        if live_req_ids == self._live_key:
             return
         live = set(live_req_ids)
         for r in [r for r in self.member_of if r not in live]:
             self.release(r)
+        self._live_key = list(live_req_ids)
 
-    # -- the step ---------------------------------------------------------------------------------
-    def propose_rows(self, req_ids, rows, token_ids: np.ndarray, num_tokens: np.ndarray,
-                     prompt_lens=None, batch_size: int | None = None) -> dict[int, list[int]]:
-        """Ingest each request's tokens up to ``num_tokens[row]`` and draft.
-
-        ``req_ids[i]`` lives in ``token_ids[rows[i]]``; ``prompt_lens[i]`` (optional) is its
-        prompt length, used as the sibling-group key. Returns {row: draft} for non-empty drafts.
-        """
-        st = self.stats
-        st.steps += 1
+    def _set_batch(self, req_ids, rows, token_ids, prompt_lens) -> None:
+        """(member, row) of every request of this step; new requests get their member."""
         n = len(req_ids)
-        if n == 0:
-            return {}
-        rows = np.asarray(rows, np.int64)
-        members = np.empty(n, np.int64)
+        batch = np.empty((n, 2), np.int64)
         for i, r in enumerate(req_ids):
             m = self.member_of.get(r)
             if m is None:
                 prompt = None
                 if self.group and prompt_lens is not None:
-                    prompt = token_ids[rows[i], : int(prompt_lens[i])]
+                    prompt = np.asarray(token_ids[rows[i], : int(prompt_lens[rows[i]])])
                 m = self._member_for(r, prompt)
-            members[i] = m
-        starts = self.pool.members[members, B_NTOK]
-        ends = np.asarray(num_tokens, np.int64)[rows]
-        ends = np.maximum(ends, starts)
-        total = int((ends - starts).sum())
-        if total > self._flat.size:
-            self._flat = np.zeros(max(total, 2 * self._flat.size), np.int32)
-        off = np.empty(n + 1, np.int64)
-        _gather_rows(token_ids, rows, starts, ends, self._flat, off)
-        # acceptance bookkeeping: tokens that arrived since the last draft
-        for i, r in enumerate(req_ids):
-            prev = self.last_draft.pop(r, None)
-            if prev is not None and prev[0] == starts[i]:
-                got = int(ends[i] - starts[i]) - 1
-                acc = max(0, min(got, prev[1]))
-                st.accepted_tokens += acc
-                st.verified_drafts += 1
-                st.per_request_accepted[r] = st.per_request_accepted.get(r, 0) + acc
-        active = self.batch_threshold <= 0 or (batch_size if batch_size is not None else n) \
-            <= self.batch_threshold
-        if not active:
-            st.inactive_steps += 1
-        k = self.k if active else 0
-        drafts, counts, _ = self.pool.ingest(members, self._flat[:total], off, k)
+            batch[i, 0] = m
+            batch[i, 1] = rows[i]
+        self._batch = batch
+        self._key_ids = list(req_ids)  # copies: a runner mutates its lists in place
+        self._key_rows = list(rows)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def propose_arrays(self, req_ids, rows, token_ids, num_tokens, prompt_lens=None,
+                       batch_size: int | None = None):
+        """Ingest each request's tokens up to ``num_tokens[row]`` and draft.
+
+        ``req_ids[i]`` lives in ``token_ids[rows[i]]`` (a 2-d int32 matrix, vLLM's
+        ``token_ids_cpu``); ``num_tokens`` and ``prompt_lens`` (optional) are indexed by row
+        (vLLM's ``num_tokens_no_spec`` and ``num_prompt_tokens``): a request's prompt is its
+        sibling-group key, read once, when the request first shows up. Returns (drafts[B, k], counts[B]): request ``i``'s draft is
+        ``drafts[i, :counts[i]]``. Both are views of a buffer reused by the next call."""
+        self._steps += 1
+        if type(rows) is not list:
+            rows = list(rows)
+        if type(req_ids) is not list:
+            req_ids = list(req_ids)
+        if req_ids != self._key_ids or rows != self._key_rows:
+            self._set_batch(req_ids, rows, token_ids, prompt_lens)
+        threshold = self.batch_threshold
+        k = self.k
+        if threshold > 0 and (len(rows) if batch_size is None else batch_size) > threshold:
+            self._inactive_steps += 1
+            k = 0
+        return self.pool.ingest_own_rows(self._batch, token_ids, num_tokens, k, self._tally)
+
+    def propose_rows(self, req_ids, rows, token_ids, num_tokens, prompt_lens=None,
+                     batch_size: int | None = None) -> dict[int, list[int]]:
+        """:meth:`propose_arrays`, returned as {row: draft} for the non-empty drafts."""
+        drafts, counts = self.propose_arrays(req_ids, rows, token_ids, num_tokens, prompt_lens,
+                                             batch_size)
         out: dict[int, list[int]] = {}
-        if not k:
-            return out
-        for i in np.nonzero(counts)[0]:
-            c = int(counts[i])
-            if self.max_model_len is not None:
-                c = min(c, self.max_model_len - int(ends[i]) - 1)
-            if c <= 0:
-                continue
-            r = req_ids[i]
-            out[int(rows[i])] = drafts[i, :c].tolist()
-            self.last_draft[r] = (int(ends[i]), c)
-            st.proposals += 1
-            st.drafted_tokens += c
+        cl = counts.tolist()
+        if any(cl):
+            rows = self._key_rows
+            for i, (c, d) in enumerate(zip(cl, drafts.tolist())):
+                if c:
+                    out[rows[i]] = d[:c]
         return out
 
     def memory_bytes(self) -> int:
-        return self.pool.memory_bytes()
+        """Every byte the drafter's arrays hold (automata, hash arena, pool tables)."""
+        return self.pool.memory_bytes() + self._batch.nbytes + self._tally.nbytes

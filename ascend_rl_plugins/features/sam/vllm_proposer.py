@@ -46,6 +46,7 @@ class _SamProposerMixin:
 
     drafter: SamDrafter
     input_batch = None  # set by the propose_draft_token_ids hook (0.23) or from req_ids (0.13)
+    _rows_cache: list = []
 
     def _init_sam(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -82,27 +83,42 @@ class _SamProposerMixin:
 
     def propose_for(self, sampled_token_ids, req_ids, num_tokens, token_ids,
                     unsupported=()) -> list[list[int]]:
+        """Drafts for the rows of ``sampled_token_ids`` ([] for rows that get none).
+
+        A row is drafted for when it sampled a token this step (not a partial prefill) and
+        its request supports speculation; requests at ``max_model_len`` get an empty draft
+        from the drafter's cap. In the common step (every row sampled, no unsupported
+        request) there is no Python loop over the rows here."""
         n = len(sampled_token_ids)
         drafts: list[list[int]] = [[] for _ in range(n)]
-        ids, rows, plens = [], [], []
-        prompt_lens = getattr(self.input_batch, "num_prompt_tokens", None)
-        for i in range(n):
-            r = req_ids[i] if i < len(req_ids) else None
-            if r is None or not len(sampled_token_ids[i]) or r in unsupported:
-                continue
-            if num_tokens[i] >= self.max_model_len:
-                continue
-            ids.append(r)
-            rows.append(i)
-            plens.append(prompt_lens[i] if prompt_lens is not None else 0)
+        if not n:
+            return drafts
+        ids = req_ids if len(req_ids) == n else (list(req_ids[:n]) + [None] * (n - len(req_ids)))
         self.sam.retain_only(req_ids)
-        if ids:
-            got = self.sam.propose_rows(ids, rows, token_ids, num_tokens,
-                                        prompt_lens=plens if prompt_lens is not None else None,
-                                        batch_size=len(ids))
-            for row, d in got.items():
-                drafts[row] = d
+        if type(sampled_token_ids) is list and all(sampled_token_ids) and not unsupported \
+                and None not in ids:
+            rows = self._all_rows(n)
+        else:
+            rows = [i for i in range(n) if ids[i] is not None and len(sampled_token_ids[i])
+                    and ids[i] not in unsupported]
+            if not rows:
+                return drafts
+            ids = [ids[i] for i in rows]
+        prompt_lens = getattr(self.input_batch, "num_prompt_tokens", None)  # indexed by row
+        got, counts = self.sam.propose_arrays(ids, rows, token_ids, num_tokens,
+                                              prompt_lens=prompt_lens, batch_size=len(rows))
+        cl = counts.tolist()
+        if any(cl):
+            for i, (c, d) in enumerate(zip(cl, got.tolist())):
+                if c:
+                    drafts[rows[i]] = d[:c]
         return drafts
+
+    def _all_rows(self, n: int) -> list[int]:
+        rows = self._rows_cache
+        if len(rows) != n:
+            rows = self._rows_cache = list(range(n))
+        return rows
 
     def load_model(self, *args, **kwargs) -> None:  # nothing to load
         pass

@@ -9,17 +9,15 @@ side by side with this project's replacement of the one branch that still loops.
 from __future__ import annotations
 
 import ast
-import os
-import sys
 
 import pytest
-import torch
 
-from ascend_rl_plugins.features import sam as feature
-from ascend_rl_plugins.features.sam import ascend_sampler
+torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine_patches"))
-from upstream_source import STACKS, module_path, parse, top_level  # noqa: E402
+from ascend_rl_plugins.features import sam as feature  # noqa: E402
+from ascend_rl_plugins.features.sam import ascend_sampler  # noqa: E402
+from ascend_rl_plugins.patching.core import REGISTRY  # noqa: E402
+from tests.features.upstream_source import STACKS, module_path, parse, top_level  # noqa: E402
 
 MODULE = "vllm_ascend.sample.rejection_sampler"
 VECTORIZED = ("rejection_greedy_sample_pytorch", "rejection_random_sample_pytorch",
@@ -49,7 +47,7 @@ def _loops(node) -> list[int]:
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_upstream_sampler_is_already_vectorized_except_the_patched_branch(stack):
-    """Seed 003 vectorized vLLM-Ascend's loop-based rejection sampler; both supported
+    """The Qwen3 RL recipe vectorized vLLM-Ascend's loop-based rejection sampler; both supported
     versions now ship that themselves. What still loops per draft token is the reduce-
     sampling branch of the recovered-token samplers in 0.23 (patched); 0.13 has no reduce
     sampling."""
@@ -111,7 +109,9 @@ def test_patch_routes_only_the_looping_branch():
 
     cu, draft, probs, q, indices = _case(0, batch=3, spec=3, cand=8, vocab=20)
     out = torch.empty_like(draft)
-    for patch in (feature._ascend_recovered_tokens, feature._ascend_recovered_tokens_blockwise):
+    for name in ("sam.ascend_vectorized_recovered_tokens",
+                 "sam.ascend_vectorized_recovered_tokens_blockwise"):
+        patch = REGISTRY.patches[name].impl
         calls.clear()
         patch(upstream, None, (out, cu, draft, None, probs, q, 8),
               {"IS_NGRAM": True, "target_indices": indices, "enable_reduce_sampling": True})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import sys
 import os
 
 import numpy as np
@@ -12,13 +11,11 @@ import pytest
 pytest.importorskip("numba")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from sam_oracle import BruteForceGroup  # noqa: E402
+from ascend_rl_plugins.features.sam.automaton import B_NTOK, AutomatonPool  # noqa: E402
+from tests.features.sam.sam_oracle import BruteForceGroup  # noqa: E402
 
-from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
-
-# SAM_HYPOTHESIS_EXAMPLES=3000 for a deeper search than CI affords
-SETTINGS = settings(max_examples=int(os.environ.get("SAM_HYPOTHESIS_EXAMPLES", "60")), deadline=None,
+# ARP_TEST_SAM_EXAMPLES=3000 for a deeper search than CI affords
+SETTINGS = settings(max_examples=int(os.environ.get("ARP_TEST_SAM_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 K = 4
 
@@ -217,17 +214,24 @@ def test_rows_never_move_and_memory_follows_the_text():
 
 
 def test_reserved_rows_cap_stops_learning_not_working():
-    """An automaton whose reserved rows are full keeps counting tokens and drafting from
-    what it learned (the id-limit behaviour), instead of failing the decode step."""
+    """An automaton whose reserved rows are full (the id-limit behaviour) keeps counting its
+    members' tokens but neither learns them nor drafts for them -- the end of their text is
+    no longer in the automaton, so any match would be a wrong one -- instead of failing the
+    decode step; other automata of the pool are unaffected."""
     pool = AutomatonPool(reserved_rows=64)
     m = pool.new_member(pool.new_automaton())
-    pool.extend_one(m, [1, 2, 3] * 10, k=0)
+    assert pool.extend_one(m, [1, 2, 3] * 10, k=3) == ([1, 2, 3], 27)  # learns, drafts
     assert not pool.is_full(0)
     pool.extend_one(m, list(range(10, 80)), k=0)  # 70 new distinct tokens: > 64 states
     assert pool.is_full(0)
-    assert pool.members[m, 3] == 100  # B_NTOK: every token counted
-    draft, mlen = pool.extend_one(m, [1, 2], k=3)
-    assert mlen == 0 or draft  # no crash; drafts only from what was learned
+    assert pool.members[m, B_NTOK] == 100  # every token counted
+    learned = pool.tokens(0)
+    assert learned < 100
+    # [1, 2] occurred (learned) before, but the member's text end is unknown now: no draft
+    assert pool.extend_one(m, [1, 2], k=3) == ([], 0)
+    assert pool.tokens(0) == learned and pool.members[m, B_NTOK] == 102
+    other = pool.new_member(pool.new_automaton())
+    assert pool.extend_one(other, [1, 2, 3, 1, 2], k=3) == ([3, 1, 2], 2)
 
 
 def test_limited_address_space_reserves_less_instead_of_failing(monkeypatch):

@@ -1,162 +1,134 @@
-"""SAM in a real vLLM engine on CPU (tiny random Qwen3): token identity, acceptance,
-group-aware drafting, the batch-size switch. One engine per configuration, in a subprocess."""
+"""SAM in real vLLM engines on CPU (tiny random Qwen3, float32), on the stack running the tests.
+
+One child process (tests/features/sam/engine_scenario.py) builds a plain engine and a SAM
+engine and runs the same workloads on both; the SAM flags reach the engine through its
+environment only. Checked: token identity with no speculation (greedy, the random path
+with top-k 1, staggered siblings, the batch-size switch, a request running into
+max_model_len), acceptance, group drafting against a solo control, the flags' values and
+effects in the engine's drafter and scheduler, and cleanup.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import ENGINE_ENV, run_python, stack_name
+from tests.features.sam import engine_scenario as sc
+from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.stacks import running_stack
 
-pytestmark = pytest.mark.skipif(stack_name() is None, reason="needs a vLLM stack (recipe or current)")
 
-COMMON = r'''
-import os
-from vllm import LLM, SamplingParams
-from ascend_rl_plugins.devtools import tiny_qwen3
+def proposals(sam):
+    """(request, tokens, draft length, match length) of every drafted row."""
+    return [tuple(e[1:]) for e in sam["events"] if e[0] == "propose"]
 
-PROMPTS = [([5, 6, 7, 8, 9] * 8)[:40], list(range(10, 50)), ([300, 301, 302, 303] * 10)[:38]]
-STAGGER = ([40, 41, 42, 43, 44, 45] * 6)[:33]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-def make_llm(spec):
-    kw = {"speculative_config": spec} if spec else {}
-    return LLM(model=tiny_qwen3.cached(), enforce_eager=True, max_model_len=512, max_num_seqs=8,
-               dtype="float32", seed=0, **kw)
+def schedules(sam):
+    """(running, {request: (pending drafts, scheduled drafts)}) of every step."""
+    return [(e[1], e[2]) for e in sam["events"] if e[0] == "schedule"]
 
-def toks(outs):
-    return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
-def run_engine(llm, adds):
-    """adds: {step_index: [(request_id, prompt, max_tokens)]}; returns {request_id: tokens}."""
-    eng, done, step = llm.llm_engine, {}, 0
-    pending = dict(adds)
-    while pending or eng.has_unfinished_requests():
-        for rid, prompt, n in pending.pop(step, []):
-            eng.add_request(rid, {"prompt_token_ids": prompt},
-                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id.split("-")[0]] = list(out.outputs[0].token_ids)
-        step += 1
-    return done
-'''
-
-BASELINE = COMMON + r'''
-llm = make_llm(None)
-res = {"batch": toks(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)),
-       "n3": toks(llm.generate([{"prompt_token_ids": PROMPTS[1]}],
-                               SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True))),
-       "stagger": run_engine(llm, {0: [("A", STAGGER, 40)]})}
-emit(res)
-'''
-
-SAM = COMMON + r'''
-from ascend_rl_plugins import flags
-from ascend_rl_plugins.patching.core import REGISTRY
-llm = make_llm({"method": "sam", "num_speculative_tokens": 3})
-core = llm.llm_engine.engine_core.engine_core
-runner = core.model_executor.driver_worker.worker.model_runner
-sam = runner.drafter.sam
-res = {"drafter": type(runner.drafter).__name__,
-       "spec": [runner.speculative_config.method, runner.speculative_config.model]}
-
-def stats():
-    return dict(sam.stats.as_dict())
-
-def delta(before):
-    now = stats()
-    return {k: now[k] - before[k] for k in ("proposals", "drafted_tokens", "accepted_tokens",
-                                            "inactive_steps")}
-
-sam.group = False
-s0 = stats()
-res["batch"] = toks(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
-res["batch_stats"] = delta(s0)
-sam.group = True
-s0 = stats()
-res["n3"] = toks(llm.generate([{"prompt_token_ids": PROMPTS[1]}],
-                              SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True)))
-res["n3_stats"] = delta(s0)
-
-# a sibling that starts 12 steps later drafts from the first one's text (group mode)
-for mode in (False, True):
-    sam.group = mode
-    sam.stats.per_request_accepted.clear()
-    out = run_engine(llm, {0: [("A" + str(mode), STAGGER, 40)], 12: [("B" + str(mode), STAGGER, 28)]})
-    acc = {k.split("-")[0]: v for k, v in sam.stats.per_request_accepted.items()}
-    res["stagger_group" if mode else "stagger_solo"] = {
-        "A": out["A" + str(mode)], "B": out["B" + str(mode)], "B_accepted": acc.get("B" + str(mode), 0)}
-res["live_members_after"] = sam.pool.live_members()
-
-# batch-size switch: threshold 1; A speculates alone, then B joins
-os.environ["ASCEND_RL_SAM_BATCH_THRESHOLD"] = "1"
-flags.reset_cache()
-sam.batch_threshold = 1
-log = []
-sched = core.scheduler
-orig_schedule = sched.schedule
-def schedule(*a, **k):
-    out = orig_schedule(*a, **k)
-    log.append((len(sched.running), sum(len(v) for v in out.scheduled_spec_decode_tokens.values())))
-    return out
-sched.schedule = schedule
-s0 = stats()
-out = run_engine(llm, {0: [("TA", STAGGER, 20)], 8: [("TB", PROMPTS[0], 10)]})
-sched.schedule = orig_schedule
-res["threshold"] = {"log": log, "stats": delta(s0), "out": out}
-res["patches"] = {p.name: p.outcome.state for p in REGISTRY.patches.values() if p.feature.name == "sam"}
-emit(res)
-'''
+pytestmark = pytest.mark.skipif(running_stack() is None, reason="needs a vLLM stack (recipe or current)")
 
 
 @pytest.fixture(scope="module")
 def engines():
-    env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0")
-    # on vLLM 0.13 the identity also needs cpu_rms_norm (autoloaded in the engine process)
-    base = run_python(BASELINE, env=env, timeout=900)
-    sam = run_python(SAM, env=env, timeout=900)
-    return base, sam
+    pytest.importorskip("transformers")
+    # ASCEND_RL_AUTOLOAD=0: vLLM's plugin loading activates ascend-rl in the engine process
+    # (on vLLM 0.13 token identity also needs cpu_rms_norm, on by default)
+    env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", **sc.ENV)
+    got = run_scenario("tests.features.sam.engine_scenario", "run", env=env, timeout=900)
+    return got["baseline"], got["sam"]
 
 
-def test_sam_proposer_is_selected(engines):
+def test_method_sam_selects_the_sam_proposer(engines):
     _, sam = engines
     assert sam["drafter"] == "SamNgramProposer"
-    assert sam["spec"] == ["ngram", "sam"]  # method rewritten, vLLM validation kept
+    assert sam["spec"] == ["ngram", "sam"]  # method rewritten, vLLM's validation kept
+
+
+def test_flags_reach_the_engines_drafter(engines):
+    _, sam = engines
+    assert sam["settings"] == {"k": sc.K, "batch_threshold": 2, "group": True, "min_match": 2,
+                               "adaptive": True, "recent_len": 8, "max_model_len": sc.MAX_MODEL_LEN}
 
 
 def test_greedy_outputs_identical_to_no_speculation(engines):
     base, sam = engines
-    assert sam["batch"] == base["batch"]
-    assert sam["n3"] == base["n3"]
-    A = base["stagger"]["A"]
-    for key in ("stagger_solo", "stagger_group"):
-        assert sam[key]["A"] == A
-        assert sam[key]["B"] == A[:28]
+    assert sam["outputs"] == base
+    a = base["stagger"]["A"]
+    assert base["stagger"]["B"] == a[:28]  # the siblings' texts really are shared
+    assert len(base["limit"]["L"]) == sc.MAX_MODEL_LEN - len(sc.LIMIT_PROMPT)
 
 
-def test_acceptance_on_repetitive_prompts(engines):
+def test_drafts_are_accepted_on_repetitive_prompts(engines):
     _, sam = engines
-    st = sam["batch_stats"]
-    assert st["proposals"] > 0 and st["drafted_tokens"] > 0
-    assert st["accepted_tokens"] > 0
+    st = sam["stats"]
+    assert st["proposals"] > 0 and 0 < st["accepted_tokens"] <= st["drafted_tokens"]
 
 
-def test_group_mode_raises_acceptance(engines):
+def test_min_match_and_adaptive_flags_shape_every_draft(engines):
+    """ASCEND_RL_SAM_MIN_MATCH=2: no draft from a one-token match; ASCEND_RL_SAM_ADAPTIVE=1: a
+    match of length L drafts at most L tokens. Both gates are seen acting, not only holding."""
     _, sam = engines
-    assert sam["stagger_group"]["B_accepted"] > sam["stagger_solo"]["B_accepted"]
-    assert sam["n3_stats"]["accepted_tokens"] > 0
+    rows = proposals(sam)
+    assert all(m >= 2 and c <= m for _, _, c, m in rows if c)
+    assert any(m == 1 and c == 0 for _, _, c, m in rows)  # min_match acted
+    assert any(0 < c == m < sc.K for _, _, c, m in rows)  # the length cap acted
 
 
-def test_finished_requests_are_cleaned_up(engines):
+def test_group_mode_drafts_from_the_earlier_sibling(engines):
+    """B starts 12 steps after A with the same prompt: sharing A's text, it accepts more draft
+    tokens than the same drafter settings reach on B's text alone (replayed solo)."""
+    _, sam = engines
+    b = sc.SIBLING + sam["outputs"]["stagger"]["B"]
+    solo = sc.replay_accepted(b, len(sc.SIBLING), min_match=2, adaptive=True, recent_len=8,
+                              max_model_len=sc.MAX_MODEL_LEN)
+    assert sam["accepted"]["B"] > solo
+    first = next(p for p in proposals(sam) if p[0] == "B")
+    assert first[3] > len(sc.SIBLING)  # B's first match spans its whole prompt: A's text
+
+
+def test_batch_size_switch_follows_the_threshold_flag(engines):
+    """ASCEND_RL_SAM_BATCH_THRESHOLD=2: drafts are scheduled while at most two requests run and
+    none once a third joins; the drafter ingests without drafting in those steps."""
+    _, sam = engines
+    log = [(running, sum(s for _, s in per.values())) for running, per in schedules(sam)]
+    assert any(running == 2 and spec > 0 for running, spec in log)
+    assert any(running > 2 for running, _ in log)
+    assert all(spec == 0 for running, spec in log if running > 2)
+    assert sam["stats"]["inactive_steps"] > 0
+    assert sam["patches"]["sam.batch_size_switch"] == "applied"
+
+
+def test_drafts_are_scheduled_whole_up_to_max_model_len(engines):
+    """The request L runs into max_model_len: every draft the drafter made for it was then
+    scheduled whole (vLLM's scheduler cuts a draft that could take a request past the limit),
+    up to the last steps where vLLM still calls the drafter (it skips the drafter for the
+    whole batch once a request is within k tokens of the limit)."""
+    _, sam = engines
+    events = sam["events"]
+    checked = []
+    for i, e in enumerate(events):
+        if e[0] == "propose" and e[1] == "L" and e[3]:
+            nxt = next(x for x in events[i + 1:] if x[0] == "schedule")
+            checked.append((e[2], e[3], nxt[2]["L"][1]))
+    assert checked and all(drafted == scheduled for _, drafted, scheduled in checked), checked
+    assert all(drafted <= sc.MAX_MODEL_LEN - n - 1 for n, drafted, _ in checked)
+    assert max(n for n, _, _ in checked) >= sc.MAX_MODEL_LEN - 3 * sc.K  # drafted near the end
+
+
+def test_finished_requests_are_released(engines):
     _, sam = engines
     assert sam["live_members_after"] <= 1  # only what the last step still saw
 
 
-def test_batch_size_switch(engines):
+def test_cpu_spec_decode_carried_the_engine(engines):
+    """The SAM engine runs on CPU through cpu_spec_decode (its patches are what it needs)."""
     _, sam = engines
-    thr = sam["threshold"]
-    # while A ran alone, drafts were scheduled; once two requests ran, none were
-    assert any(running == 1 and spec > 0 for running, spec in thr["log"])
-    assert all(spec == 0 for running, spec in thr["log"] if running > 1)
-    assert thr["stats"]["inactive_steps"] > 0
-    assert sam["patches"]["sam.batch_size_switch"] == "applied"
+    patches = sam["patches"]
+    if running_stack() == "recipe":
+        assert patches["cpu_spec_decode.cpu_runner_allows_spec_decode"] == "applied"
+        assert patches["cpu_spec_decode.pytorch_rejection_sampler"] == "applied"
+        assert patches["sam.inproc_client_post_step"] == "applied"
+    else:
+        assert patches["cpu_spec_decode.recovered_tokens_fp64_gumbel"] == "applied"

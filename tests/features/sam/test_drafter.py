@@ -1,0 +1,280 @@
+"""The request-level drafter (``SamDrafter``), the API an engine calls every decode step:
+the draft cap near ``max_model_len``, sibling groups, acceptance accounting, batch changes,
+the batch-size switch, and equality with the automaton's own (oracle-checked) batch API."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
+from ascend_rl_plugins.features.sam.drafter import FINISHED_RECORD, SamDrafter  # noqa: E402
+
+SETTINGS = settings(max_examples=int(os.environ.get("ARP_TEST_SAM_EXAMPLES", "60")), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+WIDTH = 256
+
+
+def matrix(*texts) -> np.ndarray:
+    """Token rows as vLLM keeps them (int32, one request per row, zero padded)."""
+    m = np.zeros((len(texts), WIDTH), np.int32)
+    for i, t in enumerate(texts):
+        m[i, : len(t)] = t
+    return m
+
+
+def counts(*n) -> np.ndarray:
+    return np.array(n, np.int32)
+
+
+# -- the cap near max_model_len ---------------------------------------------------------------
+
+def scheduler_allows(max_model_len: int, num_tokens: int) -> int:
+    """Draft tokens vLLM's scheduler verifies for a request holding ``num_tokens`` tokens (its
+    last sampled token not computed yet): it schedules at most max_model_len - 1 -
+    num_computed_tokens tokens (vllm/v1/core/sched/scheduler.py, 0.13 and 0.23; the
+    vLLM-Ascend schedulers use the same rule), i.e. the last token plus
+    max_model_len - num_tokens - 1 drafts, so that the accepted tokens plus the bonus token
+    never take the request past max_model_len."""
+    return max(0, (max_model_len - 1 - (num_tokens - 1)) - 1)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_draft_is_capped_to_what_the_scheduler_verifies_near_max_model_len(k):
+    """A periodic text always has a full-length draft; near the limit the draft must be
+    exactly as long as the scheduler will verify -- one more and the scheduler silently cuts
+    it (and the drafter's accounting is wrong), one less and a token of speculation is lost
+    in the last steps of every long rollout."""
+    limit = 120
+    text = ([7, 8, 9, 10, 11] * 40)[:limit]
+    tokens = matrix(text)
+    seen = []
+    for n in range(limit - k - 4, limit + 1):
+        d = SamDrafter(k, max_model_len=limit)
+        got = d.propose_rows(["r"], [0], tokens, counts(n))
+        draft = got.get(0, [])
+        want = min(k, scheduler_allows(limit, n))
+        seen.append((n, len(draft), want))
+        assert len(draft) == want, seen
+        assert draft == text[n:n + want]  # the true continuation of the periodic text
+        assert d.stats.drafted_tokens == want
+    assert [w for _, _, w in seen][-3:] == [1, 0, 0]  # L-2: one draft; L-1 and L: none
+
+
+def test_cap_also_holds_when_a_request_grows_step_by_step():
+    limit, k = 64, 4
+    text = ([3, 1, 4, 1, 5] * 20)[:limit]
+    tokens = matrix(text)
+    d = SamDrafter(k, max_model_len=limit)
+    n = 20
+    while True:
+        draft = d.propose_rows(["r"], [0], tokens, counts(n)).get(0, [])
+        assert len(draft) == min(k, scheduler_allows(limit, n))
+        if n == limit:
+            break
+        n += len(draft) + 1  # greedy: the periodic draft is right, plus the bonus token
+        assert n <= limit  # a fully accepted draft never takes the request past the limit
+    assert d.stats.accepted_tokens == d.stats.drafted_tokens > 0
+
+
+# -- sibling groups ---------------------------------------------------------------------------------
+
+PROMPT = list(range(10, 30))  # no token repeats: a request alone has nothing to match
+A_OUT = [50, 51, 52, 53, 54, 55, 56]
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_a_sibling_drafts_the_other_siblings_continuation(group):
+    """Same prompt, group sharing on: B, one token into its answer, drafts what A wrote after
+    that token. Off (or a different prompt): B's own text has no earlier occurrence of its
+    end, so it gets no draft at all."""
+    d = SamDrafter(3, group=group)
+    a = PROMPT + A_OUT
+    b = PROMPT + A_OUT[:1]
+    other = [99] + PROMPT[1:] + A_OUT[:1]  # a different prompt, same answer so far
+    tokens = matrix(a, b, other)
+    plens = counts(len(PROMPT), len(PROMPT), len(PROMPT))
+    d.propose_rows(["A"], [0], tokens, counts(len(a), 0, 0), prompt_lens=plens)
+    got = d.propose_rows(["A", "B", "C"], [0, 1, 2], tokens, counts(len(a), len(b), len(other)),
+                         prompt_lens=plens)
+    if group:
+        assert got.get(1) == A_OUT[1:4]
+        assert len(d.groups) == 2  # A and B share one automaton, C has its own
+    else:
+        assert 1 not in got
+        assert len(d.groups) == 3
+    assert 2 not in got  # C's prompt differs: never A's group
+
+
+def test_a_finished_siblings_text_stays_for_the_group_then_goes_with_the_last_member():
+    d = SamDrafter(3, group=True)
+    a, b, c = PROMPT + A_OUT, PROMPT + A_OUT[:2], PROMPT + A_OUT[:3]
+    tokens = matrix(a, b, c)
+    plens = counts(*[len(PROMPT)] * 3)
+    d.propose_rows(["A", "B"], [0, 1], tokens, counts(len(a), len(PROMPT)), prompt_lens=plens)
+    d.retain_only(["B", "C"])  # A finished
+    got = d.propose_rows(["B", "C"], [1, 2], tokens, counts(0, len(b), len(c)), prompt_lens=plens)
+    assert got == {1: A_OUT[2:5], 2: A_OUT[3:6]}
+    assert d.pool.live_automata() == 1
+    d.retain_only([])
+    assert d.pool.live_automata() == 0 and not d.groups and not d.member_of
+
+
+# -- accounting and batch changes --------------------------------------------------------------------
+
+def test_acceptance_is_settled_from_the_tokens_that_arrive_next():
+    text = [1, 2, 3, 4] * 6 + [9, 9, 9, 9]
+    tokens = matrix(text)
+    d = SamDrafter(3)
+    assert d.propose_rows(["r"], [0], tokens, counts(8)) == {0: [1, 2, 3]}
+    # next step: 2 draft tokens accepted, then the bonus token
+    assert d.propose_rows(["r"], [0], tokens, counts(11)) == {0: [4, 1, 2]}
+    assert (d.stats.accepted_tokens, d.stats.verified_drafts) == (2, 1)
+    d.propose_rows(["r"], [0], tokens, counts(11))  # no new token: the draft stays pending
+    assert d.stats.verified_drafts == 1
+    d.propose_rows(["r"], [0], tokens, counts(15))  # all 3 accepted + bonus
+    assert (d.stats.accepted_tokens, d.stats.verified_drafts) == (5, 2)
+    assert d.stats.per_request_accepted == {"r": 5}
+    d.release("r")
+    assert d.stats.per_request_accepted == {"r": 5}  # kept for finished requests
+
+
+def test_finished_record_is_bounded():
+    d = SamDrafter(2)
+    tokens = matrix([1, 2, 1, 2])
+    for i in range(FINISHED_RECORD + 10):
+        d.propose_rows([f"r{i}"], [0], tokens, counts(4))
+        d.release(f"r{i}")
+    rec = d.stats.per_request_accepted
+    assert len(rec) == FINISHED_RECORD and f"r{FINISHED_RECORD + 9}" in rec and "r0" not in rec
+
+
+def test_requests_that_move_rows_or_replace_each_other_keep_their_own_text():
+    """vLLM condenses its batch: a request's row changes, a new request takes a freed row."""
+    x = [5, 6, 7, 5, 6, 7, 5, 6]
+    y = [20, 21, 22, 23, 20, 21, 22, 23, 20]
+    d = SamDrafter(2)
+    tokens = matrix(x, y)
+    assert d.propose_rows(["X", "Y"], [0, 1], tokens, counts(7, 8)) == {0: [6, 7], 1: [20, 21]}
+    swapped = matrix(y, x)
+    assert d.propose_rows(["Y", "X"], [0, 1], swapped, counts(9, 8)) == {0: [21, 22], 1: [7, 5]}
+    d.retain_only(["X"])
+    z = [40, 41, 40]
+    got = d.propose_rows(["X", "Z"], [1, 0], matrix(z, x), counts(3, 8))
+    assert got == {0: [41, 40]}  # Z's draft comes from Z's text, not from Y's automaton
+    assert set(d.member_of) == {"X", "Z"}
+
+
+def test_batch_size_switch_ingests_without_drafting():
+    text = [1, 2, 3] * 10
+    tokens = matrix(text, text, text)
+    d = SamDrafter(3, batch_threshold=2)
+    assert d.propose_rows(["a", "b", "c"], [0, 1, 2], tokens, counts(9, 9, 9)) == {}
+    assert d.stats.inactive_steps == 1
+    # batch drained: the automata kept learning, so drafts come at once
+    assert d.propose_rows(["a"], [0], tokens, counts(12)) == {0: [1, 2, 3]}
+    # batch_size (the scheduled batch) rules, not the number of rows passed
+    assert d.propose_rows(["a"], [0], tokens, counts(13), batch_size=3) == {}
+
+
+def test_bad_input_is_refused_by_name():
+    d = SamDrafter(2)
+    with pytest.raises(ValueError, match="row"):
+        d.propose_rows(["a"], [3], matrix([1, 2]), counts(2))
+    with pytest.raises(ValueError, match="token ids"):
+        d.propose_rows(["b"], [0], matrix([1, -5]), counts(2))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamDrafter(0)
+    pool = AutomatonPool()
+    batch = np.array([[pool.new_member(pool.new_automaton()), 0]])
+    tally = np.zeros(5, np.int64)
+    with pytest.raises(ValueError, match="C-contiguous int64"):
+        pool.ingest_rows(batch.astype(np.int32), matrix([1, 2]), counts(2), 2, tally)
+    drafts, n = pool.ingest_rows(batch, matrix([1, 2, 1]), counts(3), 2, tally)
+    assert drafts[0, : n[0]].tolist() == [2, 1]
+    assert d.propose_rows(["c"], [0], matrix([1, 2, 1]), counts(3)) == {0: [2, 1]}
+
+
+# -- the drafter equals the automaton's batch API --------------------------------------------------
+
+@SETTINGS
+@given(st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4)), min_size=1, max_size=6),
+                min_size=1, max_size=12),
+       st.booleans(), st.integers(1, 4), st.integers(0, 3), st.booleans())
+def test_drafter_matches_per_request_automaton_steps(steps, group, k, threshold, adaptive):
+    """Random steps over 6 requests (two prompts, so siblings when grouped), each step a random
+    subset growing by 0-4 tokens in shuffled rows: every draft equals what the automaton's own
+    API gives for the same tokens, capped by max_model_len; the acceptance counters equal a
+    recount."""
+    rng = np.random.default_rng(len(steps) * 7 + k)
+    limit = 60
+    prompts = [[1, 2, 3], [3, 2, 1]]
+    texts = [prompts[r % 2] + rng.integers(0, 4, limit).tolist() for r in range(6)]
+    seen = [0] * 6
+    d = SamDrafter(k, group=group, batch_threshold=threshold, adaptive=adaptive, max_model_len=limit)
+    pool = AutomatonPool(adaptive=adaptive)
+    ref_member, ref_group = {}, {}
+    pending = {}  # request -> (tokens seen when drafted, draft length)
+    accepted = 0
+    for step in steps:
+        chosen = {}
+        for r, grow in step:
+            chosen[r] = grow
+        order = sorted(chosen, key=lambda r: (r * 5 + len(steps)) % 7)
+        rows = list(range(len(order)))
+        tokens = np.zeros((len(order), limit + 8), np.int32)
+        num = np.zeros(len(order), np.int32)
+        plens = np.zeros(len(order), np.int32)
+        for row, r in enumerate(order):
+            seen[r] = min(max(seen[r], 3) + chosen[r], limit)
+            tokens[row, : len(texts[r])] = texts[r]
+            num[row] = seen[r]
+            plens[row] = 3
+        got = d.propose_rows([f"q{r}" for r in order], rows, tokens, num, prompt_lens=plens)
+        active = threshold == 0 or len(order) <= threshold
+        for row, r in enumerate(order):
+            if r not in ref_member:
+                key = r % 2 if group else ("solo", r)
+                if key not in ref_group:
+                    ref_group[key] = pool.new_automaton()
+                ref_member[r] = pool.new_member(ref_group[key])
+            have = int(pool.members[ref_member[r], 3])
+            new = texts[r][have:seen[r]]
+            if r in pending and new:
+                at, n = pending.pop(r)
+                if at == have:
+                    accepted += min(len(new) - 1, n)
+            draft, _ = pool.extend_one(ref_member[r], new, k if active else 0)
+            if not new:
+                draft = []
+            draft = draft[: max(0, min(len(draft), limit - seen[r] - 1))]
+            assert got.get(row, []) == draft, (step, r)
+            if draft:
+                pending[r] = (seen[r], len(draft))
+    assert d.stats.accepted_tokens == accepted
+
+
+def test_a_step_that_outgrows_the_hash_arena_resumes_where_it_stopped():
+    """Large alphabets make hashed states; a step ingesting thousands of tokens outgrows the
+    shared hash arena, so the kernel returns to Python to grow it and resumes mid-request:
+    nothing may be ingested twice or skipped (drafts equal the automaton's own API)."""
+    rng = np.random.default_rng(5)
+    texts = [rng.integers(0, 300, 3000).tolist() for _ in range(3)]
+    width = 3100
+    tokens = np.zeros((3, width), np.int32)
+    for i, t in enumerate(texts):
+        tokens[i, : len(t)] = t
+    d = SamDrafter(4)
+    arena = d.pool.HA.shape[0]
+    got = d.propose_rows(["a", "b", "c"], [0, 1, 2], tokens, counts(2990, 2995, 3000))
+    assert d.pool.HA.shape[0] > arena  # the arena grew inside the step
+    ref = AutomatonPool()
+    for row, (t, n) in enumerate(zip(texts, (2990, 2995, 3000))):
+        draft, _ = ref.extend_one(ref.new_member(ref.new_automaton()), t[:n], 4)
+        assert got.get(row, []) == draft
+    assert [int(d.pool.members[d.member_of[r], 3]) for r in "abc"] == [2990, 2995, 3000]

@@ -1,0 +1,114 @@
+"""Child-process scenarios of tests/features/sam/test_wiring.py (each activates ascend-rl or
+installs doubles, so it runs in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+
+def _config(model="sam", k=3, max_model_len=256):
+    """The parts of a VllmConfig a SAM proposer reads."""
+    spec = SimpleNamespace(model=model, method="ngram", num_speculative_tokens=k,
+                           prompt_lookup_min=None, prompt_lookup_max=None)
+    return SimpleNamespace(speculative_config=spec,
+                           model_config=SimpleNamespace(max_model_len=max_model_len))
+
+
+def _settings(drafter) -> dict:
+    return {"k": drafter.k, "group": drafter.group, "min_match": drafter.min_match,
+            "adaptive": drafter.adaptive, "recent_len": drafter.recent_len,
+            "batch_threshold": drafter.batch_threshold, "max_model_len": drafter.max_model_len}
+
+
+def kernel_compiled_when_proposer_built() -> dict:
+    """Is the decode-step kernel compiled before / right after a SAM proposer is built?"""
+    from ascend_rl_plugins.features.sam import automaton
+    from ascend_rl_plugins.features.sam.vllm_proposer import sam_proposer_class
+
+    class PristineNgramProposer:  # stands in for the runner's NgramProposer base class
+        pass
+
+    before = automaton._ENTRY[1] is not None
+    proposer = sam_proposer_class(PristineNgramProposer)(_config())
+    return {"before": before, "after": automaton._ENTRY[1] is not None, "k": proposer.sam.k}
+
+
+# --- vLLM-Ascend: doubles of the NPU-only modules (signatures as read in 0.13 / 0.23) ---------------
+
+def _install_ascend_doubles(flavour: str) -> None:
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer as VllmNgram
+    ngram_mod_double = types.ModuleType("vllm_ascend.spec_decode.ngram_proposer")
+    if flavour == "0.13":
+        iface_double = types.ModuleType("vllm_ascend.spec_decode.interface")
+
+        class SpecDcodeType_double:
+            NGRAM = 0
+        iface_double.SpecDcodeType = SpecDcodeType_double
+        sys.modules["vllm_ascend.spec_decode.interface"] = iface_double
+
+        class NgramProposer_double(VllmNgram):  # 0.13: (vllm_config, device, runner)
+            def __init__(self, vllm_config, device, runner):
+                raise AssertionError("base constructor must not run")
+        ngram_mod_double.NgramProposer = NgramProposer_double
+    else:
+        class AscendNgramProposer_double(VllmNgram):  # 0.23: (vllm_config, runner)
+            def __init__(self, vllm_config, runner):
+                raise AssertionError("base constructor must not run")
+        ngram_mod_double.AscendNgramProposer = AscendNgramProposer_double
+    for name in ("vllm_ascend", "vllm_ascend.spec_decode"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["vllm_ascend.spec_decode.ngram_proposer"] = ngram_mod_double  # replaces the other flavour's
+
+
+class InputBatch_double:
+    def __init__(self):
+        import numpy as np
+        self.req_ids = ["a", "b"]
+        self.num_tokens_no_spec = np.array([8, 5], np.int32)
+        self.num_prompt_tokens = np.array([3, 3], np.int32)
+        self.token_ids_cpu = np.zeros((2, 64), np.int32)
+        self.token_ids_cpu[0, :8] = [1, 2, 3, 4, 1, 2, 3, 4]
+        self.token_ids_cpu[1, :5] = [7, 7, 7, 7, 7]
+        self.spec_decode_unsupported_reqs = set()
+
+
+class NPUModelRunner_double:
+    def __init__(self, model):
+        self.vllm_config = _config(model, max_model_len=64)
+        self.device = "npu:0"
+        self.input_batch = InputBatch_double()
+
+
+def ascend_get_drafter() -> dict:
+    """``sam.ascend_select_sam_proposer`` (looked up by its public name) against a double of
+    NPUModelRunner and of the Ascend n-gram proposer module of each vLLM-Ascend version; real
+    SAM drafter code runs."""
+    from ascend_rl_plugins import plugin
+    plugin.activate("test")
+    return {flavour: _ascend_get_drafter(flavour) for flavour in ("0.13", "0.23")}
+
+
+def _ascend_get_drafter(flavour: str) -> dict:
+    _install_ascend_doubles(flavour)
+    from ascend_rl_plugins.patching.core import REGISTRY
+    wrapper = REGISTRY.patches["sam.ascend_select_sam_proposer"].impl
+
+    def original_get_drafter():  # wrapt passes the bound original
+        return "original ngram drafter"
+
+    runner = NPUModelRunner_double("sam")
+    drafter = wrapper(original_get_drafter, runner, (), {})
+    out = {"type": type(drafter).__name__, "mro": [c.__name__ for c in type(drafter).__mro__],
+           "settings": _settings(drafter.sam)}
+    if flavour == "0.13":
+        out["drafts"] = drafter.generate_token_ids([[4], [7]], None, None)
+    else:
+        out["drafts"] = drafter.propose([[4], [7]], None, None, slot_mappings=None)
+        runner.input_batch.num_tokens_no_spec[:] = [9, 6]
+        runner.input_batch.token_ids_cpu[0, 8] = 1
+        runner.input_batch.token_ids_cpu[1, 5] = 7
+        out["drafts_other_vllm"] = drafter.propose(3, [[1], [7]])
+    out["plain"] = wrapper(original_get_drafter, NPUModelRunner_double("ngram"), (), {})
+    return out
