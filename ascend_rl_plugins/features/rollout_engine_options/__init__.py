@@ -90,7 +90,7 @@ def _is_vllm_sync(rollout) -> bool:
 
 
 @FEATURE.after("verl.utils.config:validate_config", name="rollout_engine_options.validate_config",
-               dist="verl", versions=VERL_RANGE, params=("config",),
+               dist="verl", versions=VERL_RANGE, params=("config",), order=50,
                reason="check the rollout's engine options with the rest of the trainer config, in the "
                       "driver, before any rollout worker starts",
                replaces="recipe verl 0012 (no checks)", remove_when=REMOVE_WHEN)
