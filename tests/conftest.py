@@ -6,6 +6,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # TRANSITIONAL: legacy `from helpers import`; removed with tests/helpers.py
 
 os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")  # tests activate explicitly, in child processes
+# verl 0.9 activates every `verl.plugins` entry point (this plugin) in any process that imports
+# verl: keep the pytest process pristine; child scenarios get verl's default back
+# (tests/support/child.py), as a user's process would have it.
+os.environ["ARP_TEST_PARENT_VERL_PLUGINS"] = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "")
+os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
 
 from tests.support.stacks import running_stack, vllm_version  # noqa: E402
 

@@ -39,6 +39,12 @@ ENGINE_ENV = {
 
 def _child_env(env: dict | None) -> dict:
     full = dict(os.environ)
+    if "ARP_TEST_PARENT_VERL_PLUGINS" in full:  # undo what tests/conftest.py did to the parent
+        parent = full.pop("ARP_TEST_PARENT_VERL_PLUGINS")
+        if parent:
+            full["VERL_USE_EXTERNAL_PLUGINS"] = parent
+        else:
+            full.pop("VERL_USE_EXTERNAL_PLUGINS", None)
     full.update(env or {})
     path = full.get("PYTHONPATH", "")
     full["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
