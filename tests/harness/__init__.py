@@ -1,0 +1,1 @@
+"""Tests of the test-support harnesses themselves (tests/support/megatron.py)."""
