@@ -22,6 +22,10 @@ that the missing CUDA kernel or module would compute. Each docstring says what i
 and why it cannot change a value. ``install()`` applies only the ones the running
 Megatron-Core / torch need (3 is a no-op on 0.12.1) and ``applied()`` names them.
 
+The shims a real ``DistributedOptimizer`` and ``dist_checkpointing`` additionally need (CUDA
+device literals, ``torch.cuda.synchronize``, and three Megatron-Core 0.12.1 incompatibilities
+with torch >= 2.9 / NumPy 2) are listed in ``megatron_checkpoint_shims.py``.
+
 What is deliberately *not* a shim (set by the harness as configuration instead):
 ``use_cpu_initialization=True``; every fusion flag off (the fused kernels are CUDA or
 Apex/TransformerEngine); an explicit causal ``attention_mask`` (Megatron's default one is
