@@ -47,19 +47,8 @@ oneDNN ops is used, so section 3 there times a double, not vLLM's kernel).
    is complete (outputs identical to an engine started on B) and is the baseline
    (0.13's ``reload_weights()`` only re-reads the checkpoint from disk).
 
-   Measured 2026-11-22 on 2 shared vCPUs (AVX-512, no VNNI/AMX), current stack, quiet
-   rounds: INT8 / BF16 = 1.7-2.8x (2.2-2.9x before the last speed-up; 3.1-3.4x with
-   ``--threads 1``), so the issue's target of <= 1.3x is **not met** here. This project's
-   own part (quantization, vLLM's loaders, bookkeeping) is 0.9-1.1x the BF16 reload minus
-   its post-processing; the gap is vLLM's int8 post-processing, whose oneDNN s8 weight
-   prepack runs oneDNN's generic ``simple:any`` reorder on this CPU and alone takes 1.0-2.1x
-   the whole BF16 reload (3.5-5x the BF16 prepack). With another process on one core the
-   old code reached 8.1x (its sliced torch ``azp_adj`` reduction), this code 2.1x. Recipe
-   stack (plain BF16 copy, int8 handler doubled): 12.8-15.1x (17.6-18.0x before).
-   Measured 2026-11-24 on 2 vCPUs of an AMD EPYC Zen 4 (AVX-512 *with* VNNI and BF16),
-   11 rounds: 2.14x (per-round 1.58-2.98x); the s8 prepack still runs ``simple:any``:
-   oneDNN 3.10's JIT reorder (``brgemm_matmul_reorders``) takes only an ``ab`` source and
-   vLLM's handler requires ``ba`` (``b.stride(0) == 1``), so no x86 ISA avoids it.
+   Results, with the machine and stack they come from: the feature's README
+   (``ascend_rl_plugins/features/flashrl/README.md``, section Measured).
 """
 
 from __future__ import annotations
@@ -263,7 +252,7 @@ class Engine:
     """One engine subprocess, driven over stdin/stdout."""
 
     def __init__(self, role: str, paths: dict, env: dict):
-        code = ENGINE_CODE.format(tests=os.path.join(ROOT, "tests", "flashrl"), role=role, paths=paths, mark=MARK)
+        code = ENGINE_CODE.format(tests=os.path.join(ROOT, "tests", "features", "flashrl"), role=role, paths=paths, mark=MARK)
         full = dict(os.environ)
         full.update(env)
         self.role = role

@@ -1,7 +1,7 @@
 """Long-tail rollout simulator: makespan with and without rollout rebalance.
 
-The scenario is seed 003's measured run (``docs/features/rollout_rebalance.md`` of the seed's
-reference repository and its run script ``train_grpo_qwen3_235b_128die_true_weight.sh``):
+The scenario is the Qwen3 RL recipe's measured run (``docs/features/rollout_rebalance.md`` of
+the recipe's reference repository and its run script ``train_grpo_qwen3_235b_128die_true_weight.sh``):
 Qwen3-235B-A22B, 128 NPU dies, rollout TP=4 x DP=32, 512 prompts x n=16 = 8192 responses
 (256 per DP rank), ``max_num_seqs=256``, ``gpu_memory_utilization=0.87``, 2K max prompt, 32K
 max response, graph batch ladder 4/8/16/32/64. What the simulator models, and where each
@@ -11,9 +11,9 @@ number comes from:
   pads to the same graph batch, so a step takes ``base(graph batch) + attention``, the graph
   batch being the largest any rank needs and the attention that of the rank holding the
   most context. With the multi-size graph ladder a rank needs the smallest rung holding its
-  running requests (beyond the ladder it runs eagerly, unpadded); with one graph (the seed's
+  running requests (beyond the ladder it runs eagerly, unpadded); with one graph (the recipe's
   default scenario) every step runs the full ``max_num_seqs`` batch.
-* **Step time** (``--steps doc``, default), fitted to the three numbers the seed doc gives:
+* **Step time** (``--steps doc``, default), fitted to the three numbers the recipe doc gives:
   the default scenario's TPOT rises from ~125 ms to ~200 ms (full batch, context growing:
   so ~75 ms is attention over a full KV cache, the rest the batch's base cost), and with
   rebalancing and the graph ladder it falls to "the 60 ms level" in the long tail (small
@@ -27,13 +27,13 @@ number comes from:
   migrated-without-KV request re-runs its prefill (``--prefill`` tokens/s per rank).
 * **Migration** stalls every rank (lockstep) for the busiest rank's KV bytes over the link
   plus a per-request cost; a check costs a gather. Response lengths: log-normal, truncated at
-  32K (not given by the seed; ``--median``, ``--sigma``).
+  32K (not given by the recipe; ``--median``, ``--sigma``).
 
-Policies, in one run (``--intervals`` steps between checks, the seed's default is 1000):
+Policies, in one run (``--intervals`` steps between checks, the recipe's default is 1000):
 
-* ``one graph``       : no rebalance, one captured graph (the seed's "default scenario");
+* ``one graph``       : no rebalance, one captured graph (the recipe's "default scenario");
 * ``ladder``          : no rebalance, graph ladder (ranks drop to smaller rungs as they drain);
-* ``seed planner``    : ladder + seed 003's planner (re-implemented from its published code);
+* ``recipe planner``  : ladder + the recipe's planner (re-implemented from its published code);
 * ``this planner``    : ladder + ``ascend_rl_plugins.features.rollout_rebalance.planner``;
 * ``pooled engine``   : a reference, not a bound: one engine with DP x the KV, slots *and
                         prefill rate*, perfectly balanced, free migration. Its prefill is DP x
@@ -106,7 +106,7 @@ BASE_LADDER = {4: 60.0, 8: 70.0, 16: 90.0, 32: 125.0, 64: 200.0, 256: 200.0}
 class Scenario:
     dp: int = 32
     requests_per_rank: int = 256  # 512 prompts x n=16 over DP=32
-    max_num_seqs: int = 256  # the seed's run script
+    max_num_seqs: int = 256  # the recipe's run script
     prompt_tokens: int = 512
     max_response: int = 32768
     median_response: int = 7000
@@ -154,10 +154,10 @@ def step_ms(sc: Scenario, graph_batch: float, context_tokens: float) -> float:
             + ATTN_DOC_MS * context_tokens / sc.kv_tokens_per_rank)
 
 
-# -- the seed planner, re-implemented from its published code ----------------------------
+# -- the recipe planner, re-implemented from its published code ----------------------------
 
-def seed_plan(states, graph_sizes, max_running):
-    """Seed 003's ``calc_balancing_tasks``: target the smallest rung at or above the average
+def recipe_plan(states, graph_sizes, max_running):
+    """The recipe's ``calc_balancing_tasks``: target the smallest rung at or above the average
     of running+waiting below the current largest bucket; a rank with a queue is a "waiting
     donor" (never a receiver); a rank whose KV usage exceeds 80% takes no part; a receiver
     takes ``min(room, running*(1-usage)/usage)``; queued requests go first (no KV), spread to
@@ -471,7 +471,7 @@ def this_policy(config: PlannerConfig):
     return policy
 
 
-def seed_policy(sim: Rollout):
+def recipe_policy(sim: Rollout):
     sc = sim.sc
     states = []
     for r in range(sim.ranks):
@@ -481,8 +481,8 @@ def seed_policy(sim: Rollout):
                        "usage": used / sc.kv_blocks})
     moves = []
     pools = {}
-    for src, dst, k, with_kv in seed_plan(states, LADDER, sc.max_num_seqs):
-        # the seed takes the last k of [*running, *waiting]; running ones go with their KV
+    for src, dst, k, with_kv in recipe_plan(states, LADDER, sc.max_num_seqs):
+        # the recipe takes the last k of [*running, *waiting]; running ones go with their KV
         pool = pools.setdefault(src, list(sim.running[src]) + [e[0] for e in sim.waiting[src]])
         for _ in range(min(k, len(pool))):
             rid = pool.pop()
@@ -518,13 +518,13 @@ def planning_time(dp: int, per_rank: int, repeats: int = 300,
 def compare(sc: Scenario, lengths: np.ndarray, config: PlannerConfig, intervals) -> list:
     rows = []
     sim = Rollout(sc, lengths, ladder=False)
-    rows.append(("one graph (seed default)", "-", sim.run(), sim.st))
+    rows.append(("one graph (recipe default)", "-", sim.run(), sim.st))
     sim = Rollout(sc, lengths)
     rows.append(("ladder, no rebalance", "-", sim.run(), sim.st))
     for interval in intervals:
         s = replace(sc, interval=interval)
         sim = Rollout(s, lengths)
-        rows.append(("seed planner", interval, sim.run(seed_policy), sim.st))
+        rows.append(("recipe planner", interval, sim.run(recipe_policy), sim.st))
         sim = Rollout(s, lengths)
         rows.append(("this planner", interval, sim.run(this_policy(config)), sim.st))
     sim = Rollout(sc, lengths, ideal=True)
@@ -550,20 +550,20 @@ def print_table(rows) -> None:
     intervals = sorted({i for _, i, _, _ in rows if i != "-"})
     print()
     for interval in intervals:
-        this, seed = by[("this planner", interval)], by[("seed planner", interval)]
-        print(f"every {interval} steps: this planner vs seed planner {1 - this / seed:+.1%} "
+        this, recipe = by[("this planner", interval)], by[("recipe planner", interval)]
+        print(f"every {interval} steps: this planner vs recipe planner {1 - this / recipe:+.1%} "
               f"(target >= +15%), vs perfect free rebalancing {this / bound - 1:+.1%} "
               f"(target <= +10%), vs pooled engine {this / pooled - 1:+.1%}")
     if 64 in intervals and 1000 in intervals:  # each at its shipped default
-        this, seed = by[("this planner", 64)], by[("seed planner", 1000)]
-        print(f"each at its default interval (this 64, seed 1000): {1 - this / seed:+.1%}")
+        this, recipe = by[("this planner", 64)], by[("recipe planner", 1000)]
+        print(f"each at its default interval (this 64, recipe 1000): {1 - this / recipe:+.1%}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="DP=8")
     ap.add_argument("--intervals", default="64,1000",
-                    help="steps between checks (64: this project's default; 1000: the seed's)")
+                    help="steps between checks (64: this project's default; 1000: the recipe's)")
     ap.add_argument("--steps", choices=("doc", "ladder"), default="doc",
                     help="step-time model (see the module docstring)")
     ap.add_argument("--kv-tokens", type=int, default=Scenario.kv_tokens_per_rank,
@@ -608,14 +608,14 @@ def main() -> None:
     if len(reserves) > 1 and 0 in reserves:
         by = {(r, n, i): sec for r, rows in tables.items() for n, i, sec, _ in rows}
         best_bound = min(rows[-1][2] for rows in tables.values())
-        seed_system = by[(0, "seed planner", max(intervals))]
-        print(f"\nacross admissions (seed's system: seed planner every {max(intervals)} steps, vLLM's "
-              f"admission, {seed_system:.0f} s; lowest bound of those run {best_bound:.0f} s):")
+        recipe_system = by[(0, "recipe planner", max(intervals))]
+        print(f"\nacross admissions (recipe's system: recipe planner every {max(intervals)} steps, vLLM's "
+              f"admission, {recipe_system:.0f} s; lowest bound of those run {best_bound:.0f} s):")
         for reserve in reserves:
             for interval in intervals:
                 this = by[(reserve, "this planner", interval)]
-                print(f"  this planner every {interval}, reserve {reserve}: {this:.0f} s, vs the seed's "
-                      f"system {1 - this / seed_system:+.1%}, vs the lowest bound {this / best_bound - 1:+.1%}")
+                print(f"  this planner every {interval}, reserve {reserve}: {this:.0f} s, vs the recipe's "
+                      f"system {1 - this / recipe_system:+.1%}, vs the lowest bound {this / best_bound - 1:+.1%}")
     timings = [x for rows in tables.values() for _, _, _, st in rows for x in st.plan_seconds]
     if timings:
         print(f"\nin-simulation plan() time: median {np.median(timings) * 1e3:.3f} ms over "

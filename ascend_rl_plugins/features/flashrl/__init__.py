@@ -1,6 +1,6 @@
 """FlashRL: INT8 / FP8 (W8A8) rollout with online quantization of every weight update.
 
-Why these patches exist: seeds 000/001 run RL rollouts in INT8 with FlashRL
+Why these patches exist: the Qwen3 RL recipe's docs 000/001 run RL rollouts in INT8 with FlashRL
 (``flash-llm-rl``), which is CUDA-bound, edits ``usercustomize.py``, replaces
 ``BaseModelLoader.load_model`` with a 2-argument version that breaks on vLLM 0.23, and
 copies raw storage with ``as_strided`` (wrong for oneDNN-prepacked CPU weights and for
@@ -44,7 +44,7 @@ LMHEAD_FP32 = flags.define(
     aliases=("FLASHRL_LMHEAD_FP32",), feature="flashrl")
 
 FEATURE = Feature("flashrl", "INT8/FP8 W8A8 rollout with online-quantized weight reload (FlashRL)", flag=CONFIG,
-                  replaces="seeds 000/001 (flash-llm-rl: flashrl profile/setup, FLASHRL_CONFIG)",
+                  replaces="Qwen3 RL recipe docs 000/001 (FlashRL: flash-llm-rl profile/setup, FLASHRL_CONFIG)",
                   verified=Verified(
                       cpu_runtime="vLLM 0.23's real oneDNN int8 kernel; verl 0.9.1's real bucketed "
                                   "update path on vLLM 0.23",
@@ -53,6 +53,7 @@ FEATURE = Feature("flashrl", "INT8/FP8 W8A8 rollout with online-quantized weight
                       static="vLLM-Ascend W8A8 layout hooks (0.13, 0.23)"),
                   stacks="recipe, current")
 
+_LM_HEAD_UPSTREAM = "https://github.com/vllm-project/vllm/pull/48390"  # head_dtype for generation models
 INDEX_ENV = "_ASCEND_RL_FLASHRL_INDEX"  # the selected config, passed from the engine to its workers
 _selected: dict = {}
 
@@ -86,8 +87,8 @@ def active_config(model_parallel_size: int | None = None):
     return _selected["cfg"]
 
 
-@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_engine_config", name="flashrl.engine_args", dist="vllm", versions=">=0.13,<0.24",
-                order=40, params=("self",),
+@FEATURE.before("vllm.engine.arg_utils:EngineArgs.create_engine_config", name="flashrl.engine_args",
+                dist="vllm", versions=">=0.13,<0.24", order=40, params=("self",),
                 reason="serve the W8A8 checkpoint named by this rank's FlashRL config instead of the BF16 "
                        "path the trainer passes, and fail at engine start on a bad config/profile (not "
                        "__post_init__: vLLM loads its general plugins inside __post_init__, so a hook there "
@@ -119,42 +120,49 @@ def _flashrl_engine_args(instance, args, kwargs):
     return None
 
 
-@FEATURE.wrap("vllm.model_executor.model_loader.utils:process_weights_after_loading", name="flashrl.process_weights_after_loading", dist="vllm",
-              versions=">=0.13,<0.24", order=40, params=("model", "model_config", "target_device"),
+@FEATURE.wrap("vllm.model_executor.model_loader.utils:process_weights_after_loading",
+              name="flashrl.process_weights_after_loading", dist="vllm", versions=">=0.13,<0.24", order=40,
+              params=("model", "model_config", "target_device"),
               reason="remember each quantized layer's checkpoint-layout parameters before the quant method "
                      "post-processes them, then wrap model.load_weights so BF16 updates are quantized "
                      "online and reloaded in place (same storage, scales updated)",
               replaces="FlashRL hacked_process_weights_after_loading / BaseModelLoader.load_model",
-              remove_when="vLLM's layerwise reload quantizes BF16 updates for INT8 layers by itself")
+              remove_when="vLLM's layerwise reload quantizes BF16 updates for INT8 layers by itself",
+              upstream="https://github.com/vllm-project/vllm/issues/19020")
 def _flashrl_process_weights(wrapped, instance, args, kwargs):
     from .hooks import process_weights_after_loading
     return process_weights_after_loading(wrapped, args, kwargs)
 
 
-@FEATURE.before("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__", name="flashrl.lm_head_fp32_init", dist="vllm",
-                versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
+@FEATURE.before("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__",
+                name="flashrl.lm_head_fp32_init", dist="vllm", versions=">=0.13,<0.24", order=40,
+                enabled_by=LMHEAD_FP32,
                 params=("self", "num_embeddings", "embedding_dim", "params_dtype", "quant_config"),
                 reason="keep lm_head weights in float32 and unquantized (FLASHRL_LMHEAD_FP32)",
                 replaces="FlashRL patch_vllm_lmhead_to_fp32 (VocabParallelEmbedding.__init__)",
-                remove_when="vLLM offers an lm_head dtype option")
+                remove_when="the stacks' vLLM honours head_dtype for generation models (merged upstream "
+                            "after 0.23)", upstream=_LM_HEAD_UPSTREAM)
 def _flashrl_lmhead_init(instance, args, kwargs):
     from .hooks import lmhead_fp32_init_args
     return lmhead_fp32_init_args(args, kwargs)
 
 
 @FEATURE.wrap("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.apply",
-              name="flashrl.lm_head_fp32_apply", dist="vllm", versions=">=0.13,<0.24", order=40, enabled_by=LMHEAD_FP32,
+              name="flashrl.lm_head_fp32_apply", dist="vllm", versions=">=0.13,<0.24", order=40,
+              enabled_by=LMHEAD_FP32,
               params=("self", "layer", "x", "bias"),
               reason="feed the float32 lm_head float32 hidden states so logits are computed in float32",
               replaces="FlashRL hacked UnquantizedEmbeddingMethod.apply",
-              remove_when="vLLM offers an lm_head dtype option")
+              remove_when="the stacks' vLLM honours head_dtype for generation models (merged upstream "
+                          "after 0.23)", upstream=_LM_HEAD_UPSTREAM)
 def _flashrl_lmhead_apply(wrapped, instance, args, kwargs):
     from .hooks import lmhead_fp32_apply
     return lmhead_fp32_apply(wrapped, args, kwargs)
 
 
 @FEATURE.wrap("verl.workers.rollout.vllm_rollout.utils:vLLMColocateWorkerExtension.update_weights_from_ipc",
-              name="flashrl.verl_update_weights_session", dist="verl", versions=">=0.9,<0.10", order=40, params=("self",),
+              name="flashrl.verl_update_weights_session", dist="verl", versions=">=0.9,<0.10", order=40,
+              params=("self",),
               reason="verl 0.9 sends each update in buckets (one model.load_weights call per bucket; a fused layer "
                      "can be split between two) and then runs process_weights_after_loading over the whole model; "
                      "one flashrl update session spans the buckets, and that final call finishes the session "

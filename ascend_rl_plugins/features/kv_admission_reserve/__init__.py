@@ -5,10 +5,11 @@ the free KV blocks. In a long RL rollout the caches fill after a few thousand st
 then on every finish frees a little room, vLLM re-admits the newest preempted request
 (prefilling its prompt *and* everything it had generated), the running requests' growth
 fills the room again within a few steps and the same request is preempted again. The
-long-tail simulator (``benchmarks/bench_rollout_rebalance.py``, seed 003's Qwen3-235B
-DP=32 scenario) counts ~840 requests preempted ~6 times each, and re-prefill is ~40% of the
-rollout. Keeping room for the running requests' next ``STEPS`` tokens before admitting
-breaks that cycle: a queued request starts only when it can run for a while.
+long-tail simulator (``benchmarks/bench_rollout_rebalance.py``, the Qwen3 RL recipe's
+Qwen3-235B DP=32 rollout) counts 4785 preemptions for 8192 responses, and re-prefill is
+40% of the rollout (see the feature's README). Keeping room for the running requests' next
+``STEPS`` tokens before admitting breaks that cycle: a queued request starts only when it can
+run for a while.
 
 How: ``KVCacheManager.allocate_slots`` is the single place every scheduler (vLLM's, and
 vLLM-Ascend's subclasses that override ``schedule``) asks for blocks. For a request that is
@@ -43,14 +44,16 @@ STEPS = flags.define(
 FEATURE = Feature(
     "kv_admission_reserve",
     "Admission keeps KV room for the running requests' growth (no re-admit/re-preempt cycle).",
-    flag=STEPS, replaces="(new; measured in the rollout-rebalance simulator)",
+    flag=STEPS, replaces="(new: no recipe patch; found with the rollout-rebalance simulator)",
     verified=Verified(
         cpu_runtime="real vLLM engines (0.13 and 0.23): same greedy outputs, fewer preemptions; "
-                    "the admission rule against vLLM's own block arithmetic"),
+                    "the admission rule against vLLM's own block arithmetic",
+        static="vLLM-Ascend 0.13 and 0.23 schedulers allocate through the wrapped method"),
     stacks="recipe, current")
 
 VLLM_RANGE = ">=0.13,<0.24"
 REMOVE_WHEN = "vLLM's scheduler keeps decode headroom for running requests when it admits"
+UPSTREAM = "https://github.com/vllm-project/vllm/pull/37337"  # admission with room for decode tokens
 _ADMITTING = None  # (RequestStatus.WAITING, RequestStatus.PREEMPTED), resolved on first use
 _SCHEDULER_REF = "_ascend_rl_scheduler"
 _EXEMPT = "_ascend_rl_admit_without_reserve"
@@ -60,8 +63,8 @@ _EXEMPT = "_ascend_rl_admit_without_reserve"
                name="kv_admission_reserve.scheduler_init",
                reason="lets the KV cache manager see how many requests run (a weak reference to "
                       "the scheduler; subclasses that override schedule() are covered too)",
-               remove_when=REMOVE_WHEN)
-def _link_scheduler(result, instance, args, kwargs):
+               remove_when=REMOVE_WHEN, upstream=UPSTREAM)
+def link_scheduler(result, instance, args, kwargs):
     manager = getattr(instance, "kv_cache_manager", None)
     if manager is not None:
         setattr(manager, _SCHEDULER_REF, weakref.ref(instance))
@@ -84,8 +87,8 @@ def reserve_blocks(num_running: int, steps: int, block_size: int) -> int:
               name="kv_admission_reserve.allocate_slots",
               reason="an admitted request must leave the running requests room to grow, or it "
                      "is preempted again within steps (re-prefill of prompt + output each time)",
-              remove_when=REMOVE_WHEN)
-def _allocate_with_reserve(wrapped, instance, args, kwargs):
+              remove_when=REMOVE_WHEN, upstream=UPSTREAM)
+def allocate_with_reserve(wrapped, instance, args, kwargs):
     global _ADMITTING
     request = args[0] if args else kwargs.get("request")
     if _ADMITTING is None:

@@ -5,7 +5,8 @@ decode many long responses in a large graph batch while others idle, and every r
 the slowest one's pace. Every N engine steps the DP ranks share their load, compute the same
 plan (``planner.py``) and migrate requests (``protocol.py``) so every rank can drop to a
 smaller graph batch; at the end, outputs go back to the rank and order the caller expects
-(``engine.py``). Seed 003 (verl patch 0011 + ``features/rollout_optimize``) hooked the same
+(``engine.py``). The Qwen3 RL recipe's verl patch 0011-verl-feature-enable_rollout_rebalance
+(its ``features/rollout_optimize``) hooked the same
 two points but relied on internals that no longer exist in vLLM 0.13/0.23 (graph-size config
 key, ``CachedRequestState`` import path, ``Request.mm_hashes``, indexing the block table, a
 profiling hook); this re-design re-admits requests through vLLM's own request path and its
@@ -15,7 +16,7 @@ Where it applies: vLLM's in-process ``LLM`` with one engine per DP rank and a
 ``torch.distributed`` world (verl 0.6.x spmd rollout, external launcher). verl 0.9.x runs
 rollouts through an async server (``AsyncLLM``, engine cores in subprocesses, DP through
 vLLM's coordinator): ``LLM._run_engine`` and ``LLMEngine.step`` never run there, and the
-design note in the README says where rebalancing belongs for it.
+design note in this feature's README says where rebalancing belongs for it.
 
 Remove when: vLLM (or vLLM-Ascend) can migrate running requests between DP engines itself
 (its DP coordinator balances only new requests today).
@@ -54,10 +55,12 @@ LOG = flags.define(
 
 FEATURE = Feature("rollout_rebalance",
                   "move unfinished requests (with KV) between DP ranks in the rollout long tail",
-                  flag=ENABLE, replaces="seed 003 verl 0011 (features/rollout_optimize)",
+                  flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
                   verified=Verified(
-                      cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23); planner "
-                                  "property tests; protocol on 2-4 gloo processes"),
+                      cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
+                                  "injected protocol faults; planner property tests; protocol "
+                                  "and its failure paths on 2-4 gloo processes",
+                      static="verl 0.9.1 async-server notice hook resolved in its source"),
                   stacks="recipe, current")
 
 _WHY_STEP = ("a rebalance round must run between two engine steps, when the scheduler, block "
@@ -69,9 +72,10 @@ _WHY_RUN = ("outputs of migrated requests finish on another rank: the generate l
 _REMOVE = "vLLM migrates running requests between DP engines itself"
 
 
-@FEATURE.after("vllm.v1.engine.llm_engine:LLMEngine.step", name="rollout_rebalance.rebalance_after_step", dist="vllm", versions=">=0.13,<0.24",
-               order=50, params=("self",), reason=_WHY_STEP, remove_when=_REMOVE,
-               replaces="seed verl 0011 (hook.after LLMEngine.step)")
+@FEATURE.after("vllm.v1.engine.llm_engine:LLMEngine.step", name="rollout_rebalance.rebalance_after_step",
+               dist="vllm", versions=">=0.13,<0.24", order=50, params=("self",), reason=_WHY_STEP,
+               remove_when=_REMOVE,
+               replaces="recipe verl patch 0011 (hook.after LLMEngine.step)")
 def _rebalance_after_step(result, instance, args, kwargs):
     from . import engine
     return engine.after_step(result, instance)
@@ -82,14 +86,15 @@ def _rebalance_after_step(result, instance, args, kwargs):
 PENDING_GENERATORS: dict = {}
 
 
-@FEATURE.after("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", name="rollout_rebalance.restore_generators", dist="vllm",
-               versions=">=0.13,<0.24", order=50, params=("self", "scheduler_output"),
+@FEATURE.after("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+               name="rollout_rebalance.restore_generators", dist="vllm", versions=">=0.13,<0.24",
+               order=50, params=("self", "scheduler_output"),
                reason="a seeded request that migrates must continue its random stream: the "
                       "runner creates the request's torch.Generator from SamplingParams.seed "
                       "in _update_states, before the step samples; right after it, the "
                       "generator gets the state read at the source (CPU, NPU and GPU runners "
                       "all come through here: vLLM-Ascend's NPUModelRunner subclasses it)",
-               remove_when=_REMOVE, replaces="seed verl 0011 (generator not carried)")
+               remove_when=_REMOVE, replaces="recipe verl patch 0011 (generator state not carried)")
 def _restore_generators(result, instance, args, kwargs):
     if PENDING_GENERATORS:  # empty unless a seeded request just migrated in
         from . import engine
@@ -106,13 +111,13 @@ def _run_engine(wrapped, instance, args, kwargs):
 FEATURE.wrap("vllm.entrypoints.llm:LLM._run_engine", _run_engine, dist="vllm",
              versions=">=0.13,<0.14", order=50, params=("self",), reason=_WHY_RUN,
              remove_when=_REMOVE, name="rollout_rebalance.run_engine_013",
-             replaces="seed verl 0011 (hook.before/after LLM._run_engine)",
+             replaces="recipe verl patch 0011 (hook.before/after LLM._run_engine)",
              fixed_upstream="moved to vllm.entrypoints.offline_utils:OfflineInferenceMixin")
 FEATURE.wrap("vllm.entrypoints.offline_utils:OfflineInferenceMixin._run_engine", _run_engine,
              dist="vllm", versions=">=0.23,<0.24", order=50, params=("self",),
              reason=_WHY_RUN + " (0.23: inherited from OfflineInferenceMixin, takes output_type)",
              remove_when=_REMOVE, name="rollout_rebalance.run_engine_023",
-             replaces="seed verl 0011 (hook.before/after LLM._run_engine)",
+             replaces="recipe verl patch 0011 (hook.before/after LLM._run_engine)",
              fixed_upstream="lives in vllm.entrypoints.llm:LLM before vLLM 0.23")
 
 
@@ -124,7 +129,8 @@ ASYNC_SERVER_NOTICE = (
     "processes, DP through vLLM's coordinator): LLM._run_engine and LLMEngine.step never run "
     "there, so no request is rebalanced. Rebalancing applies to in-process rollouts: verl "
     "0.6.x with rollout.mode=sync (vLLMRollout), or vLLM's offline LLM with one engine per "
-    "DP rank. Where it would belong for the server path: README, rollout rebalance, Enabling.")
+    "DP rank. Where it would belong for the server path: ascend_rl_plugins/features/"
+    "rollout_rebalance/README.md, section How to enable.")
 
 
 FEATURE.does_not_apply(
@@ -132,7 +138,8 @@ FEATURE.does_not_apply(
     why="verl 0.9 rolls out through its async server (AsyncLLM, engine cores in their own "
         "processes, DP through vLLM's coordinator), where LLM._run_engine and LLMEngine.step "
         "never run: verl rollouts are not rebalanced (vLLM's in-process LLM, e.g. in a custom "
-        "trainer, still is). Where it would belong: README, rollout rebalance, Enabling.")
+        "trainer, still is). Where it would belong: ascend_rl_plugins/features/rollout_rebalance/"
+        "README.md, section How to enable.")
 
 
 def _rebalance_requested() -> bool:

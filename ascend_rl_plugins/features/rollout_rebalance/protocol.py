@@ -12,9 +12,14 @@ One *round* is a fixed sequence of collectives that every DP rank runs at the sa
 6. sources release (abort) only the acknowledged requests.
 
 Nothing is lost: a request leaves its source only after its destination said it holds it.
-A request whose extraction or admission fails stays where it is and keeps decoding there. If
-a collective itself raises, the round is abandoned before any release, so every request is
-still at its source (a destination drops what it half-admitted).
+A request whose extraction, KV decoding or admission fails stays where it is and keeps
+decoding there (the round completes). If anything raises at a destination between its first
+admission and the end of the ack exchange (the exchange itself, an interrupt), it drops what
+it admitted in this round and re-raises; its sources, without acks, release nothing, so every
+request is still at its source. A source whose adapter fails to release an acknowledged
+request releases the others and raises, naming it (the one case that can leave a request on
+two ranks, said loudly). Tests inject each of these failures
+(``tests/features/rollout_rebalance/test_protocol_faults.py``).
 
 The engine side is an :class:`Adapter` (the vLLM one lives in ``engine.py``); tests drive
 the protocol with a synthetic adapter over the same interface.
@@ -178,47 +183,73 @@ def rebalance_round(adapter: Adapter, group, config: PlannerConfig, *, working: 
     received_kv = all_to_all_bytes(kv_chunks, group)
 
     # -- destination: admit, then acknowledge -------------------------------------------------
+    # Whatever escapes from here on before the acks are in (an interrupt in the admission
+    # loop, the ack exchange raising) leaves every planned request at its source, which
+    # releases nothing without an ack: the copies admitted here are dropped again.
     acks: list[list[str]] = [[] for _ in range(world)]
-    admitted = []
-    for src in range(world):
-        offset = 0
-        buf = received_kv[src]
-        for meta in received_meta[src]:
-            kv = None
-            if "_kv" in meta:
-                dtype_name, shape, nbytes = meta["_kv"]
-                kv = _from_bytes(buf[offset:offset + nbytes], dtype_name, shape)
-                offset += nbytes
-                result.bytes_received += nbytes
-            try:
-                ok = adapter.admit(meta, kv)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("ascend-rl rollout_rebalance: rank %d refused %s from rank %d: %s",
-                            me, meta["_id"], src, exc)
-                ok = False
-            if ok:
-                acks[src].append(meta["_id"])
-                admitted.append(meta)
+    admitted: list[dict] = []
     try:
+        for src in range(world):
+            offset = 0
+            buf = received_kv[src]
+            for meta in received_meta[src]:
+                if _admit_one(adapter, meta, buf, offset, me, src, result):
+                    acks[src].append(meta["_id"])
+                    admitted.append(meta)
+                offset += meta["_kv"][2] if "_kv" in meta else 0
         received_acks = all_to_all_objects(acks, group)
-    except Exception:
-        for meta in admitted:  # the sources still hold these: drop our copies
-            adapter.discard(meta)
+    except BaseException:
+        _discard_all(adapter, admitted, me)
         raise
     result.received = len(admitted)
 
     # -- source: release what the destination holds now ---------------------------------------
     acked = {rid for per_dst in received_acks for rid in per_dst}
+    failed = []
     for per_dst in metas:
         for meta in per_dst:
-            if meta["_id"] in acked:
-                adapter.release(meta)
-                result.sent += 1
-            else:
+            if meta["_id"] not in acked:
                 result.kept += 1
+                continue
+            try:
+                adapter.release(meta)
+            except Exception as exc:  # noqa: BLE001 - release the others, then fail loudly
+                failed.append(f"{meta['_id']} ({type(exc).__name__}: {exc})")
+            result.sent += 1
+    if failed:
+        raise RuntimeError(f"ascend-rl rollout_rebalance: rank {me} could not release "
+                           f"{len(failed)} request(s) its destination acknowledged, which may now "
+                           f"run on two ranks: {'; '.join(failed)}")
     result.seconds = time.perf_counter() - t0
     if log_moves and (result.sent or result.received):
         log.warning("ascend-rl rollout_rebalance: rank %d sent %d, received %d, kept %d, "
                     "bytes out %d in %d, %.1f ms", me, result.sent, result.received, result.kept,
                     result.bytes_sent, result.bytes_received, result.seconds * 1e3)
     return result
+
+
+def _admit_one(adapter: Adapter, meta: dict, buf, offset: int, me: int, src: int,
+               result: RoundResult) -> bool:
+    """Decode one received request's KV and admit it; any failure refuses it (it stays at
+    its source, which gets no ack for it)."""
+    try:
+        kv = None
+        if "_kv" in meta:
+            dtype_name, shape, nbytes = meta["_kv"]
+            kv = _from_bytes(buf[offset:offset + nbytes], dtype_name, shape)
+            result.bytes_received += nbytes
+        return bool(adapter.admit(meta, kv))
+    except Exception as exc:  # noqa: BLE001 - any failure: the request stays at its source
+        log.warning("ascend-rl rollout_rebalance: rank %d refused %s from rank %d: %s", me,
+                    meta.get("_id"), src, exc)
+        return False
+
+
+def _discard_all(adapter: Adapter, admitted: list, me: int) -> None:
+    """Undo every admission of a round that failed before its acks were exchanged."""
+    for meta in admitted:
+        try:
+            adapter.discard(meta)
+        except Exception as exc:  # noqa: BLE001 - keep discarding; the round raises anyway
+            log.error("ascend-rl rollout_rebalance: rank %d could not discard %s after a failed "
+                      "round (it may now run on two ranks): %s", me, meta["_id"], exc)

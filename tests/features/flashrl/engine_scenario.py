@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:"]
 
 
@@ -166,19 +164,18 @@ def _stream(model_dir):
 
 
 def run(role: str, paths: dict, out_dir: str) -> dict:
-    sys.path.insert(0, HERE)
     import gc
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    import onednn_int8_double
+    from . import onednn_int8_double
     double = onednn_int8_double.install()
     # role "reload" / "direct" (int8, dynamic scheme), "static_*" (int8, static scheme), "fp8_*"
     fmt = {"fp8_": "fp8", "static_": "int8s"}.get(role[: role.find("_") + 1], "int8")
     role = role.split("_", 1)[1] if fmt != "int8" else role
     if fmt == "fp8":
-        import fp8_capability_double
+        from . import fp8_capability_double
         fp8_capability_double.install()
     from vllm import LLM
 
@@ -263,3 +260,24 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
         res["partial_error"] = f"{type(exc).__name__}: {exc}"
     res["out_after_partial"] = _generate(llm)
     return res
+
+
+def start_errors(model: str, values: list) -> list:
+    """For each value of ``ASCEND_RL_FLASHRL``: the error an engine start on ``model`` raises
+    ("Type: message"), or None when the engine starts."""
+    from vllm import LLM
+
+    from ascend_rl_plugins import flags
+
+    from . import onednn_int8_double
+    onednn_int8_double.install()  # (vLLM 0.13's CPU wheel lacks the int8 ops an INT8 start needs)
+    errors = []
+    for value in values:
+        os.environ["ASCEND_RL_FLASHRL"] = value
+        flags.reset_cache()  # flag values are parsed once per process
+        try:
+            LLM(model=model, enforce_eager=True, max_model_len=128, max_num_seqs=2)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test asserts which error
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors

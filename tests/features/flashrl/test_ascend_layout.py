@@ -14,9 +14,9 @@ import pytest
 from ascend_rl_plugins.features.flashrl.ascend_layout import require_reloadable, w8a8_layout
 from ascend_rl_plugins.features.flashrl.config import ConfigError
 
-STACKS = "/root/.cache/ascend-rl/stacks"
-SOURCES = {"0.13.0": f"{STACKS}/recipe/src/vllm_ascend/vllm_ascend",
-           "0.23.0.post1": f"{STACKS}/current/src/vllm_ascend/vllm_ascend"}
+from tests.support import stacks
+
+STACK_OF = {"0.13.0": "recipe", "0.23.0.post1": "current"}  # vLLM-Ascend version -> stack
 FILES = {
     "0.13.0": {"static": ("quantization/w8a8.py", "AscendW8A8LinearMethod"),
                "dynamic": ("quantization/w8a8_dynamic.py", "AscendW8A8DynamicLinearMethod"),
@@ -28,10 +28,7 @@ FILES = {
 
 
 def _src(version):
-    root = SOURCES[version]
-    if not os.path.isdir(root):
-        pytest.skip(f"vLLM-Ascend {version} sources not unpacked at {root}")
-    return root
+    return stacks.source(STACK_OF[version], "vllm_ascend", "vllm_ascend")
 
 
 def _method(root, rel, cls, meth="process_weights_after_loading"):
@@ -107,7 +104,7 @@ CASES = list(itertools.product(["static", "dynamic", "moe_dynamic"],
                                [False, True]))
 
 
-@pytest.mark.parametrize("version", sorted(SOURCES))
+@pytest.mark.parametrize("version", sorted(STACK_OF))
 def test_layout_decision_matches_vllm_ascend_sources(version):
     for scheme, env, additional, is_310p in CASES:
         got = w8a8_layout(version, scheme, env=env, additional_config=additional, is_310p=is_310p)
@@ -132,21 +129,19 @@ def test_reload_requires_the_plain_layout_with_a_clear_fix():
         w8a8_layout("0.13.0", "static", env={"VLLM_ASCEND_ENABLE_NZ": "yes"})
 
 
-def test_flashrl_patches_resolve_in_both_stacks():
+@pytest.mark.parametrize("stack", stacks.STACKS)
+def test_flashrl_patches_resolve_in_both_stacks(stack):
     from ascend_rl_plugins import doctor
     from ascend_rl_plugins.features import flashrl
-    for stack in ("recipe", "current"):
-        if not os.path.isdir(f"{STACKS}/{stack}"):
-            pytest.skip("stacks not built")
-        _, roots, _ = doctor.stack_roots(stack)
-        rows = [doctor.evaluate(p, roots).as_dict() for p in flashrl.FEATURE.patches]
-        in_range = [r for r in rows if r["version_state"] == "ok"]
-        # the three Ascend patches of the other version are outside; the verl 0.9 session hook
-        # is outside on the recipe stack (verl 0.6.1 calls load_weights once per update)
-        assert len(in_range) == len(rows) - (4 if stack == "recipe" else 3)
-        assert all(r["resolves"] for r in in_range), [r for r in in_range if not r["resolves"]]
-        verl = [r for r in rows if r["dist"] == "verl"]
-        assert len(verl) == 1 and (verl[0]["version_state"] == "ok") == (stack == "current")
+    roots = stacks.roots(stack)
+    rows = [doctor.evaluate(p, roots).as_dict() for p in flashrl.FEATURE.patches]
+    in_range = [r for r in rows if r["version_state"] == "ok"]
+    # the three Ascend patches of the other version are outside; the verl 0.9 session hook
+    # is outside on the recipe stack (verl 0.6.1 calls load_weights once per update)
+    assert len(in_range) == len(rows) - (4 if stack == "recipe" else 3)
+    assert all(r["resolves"] for r in in_range), [r for r in in_range if not r["resolves"]]
+    verl = [r for r in rows if r["dist"] == "verl"]
+    assert len(verl) == 1 and (verl[0]["version_state"] == "ok") == (stack == "current")
 
 
 def test_fp8_dynamic_layout_matches_vllm_ascend_023_source():

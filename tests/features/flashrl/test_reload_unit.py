@@ -12,9 +12,10 @@ call, stacked q/k/v shards through the parameters' ``weight_loader``).
 """
 
 import ast
-import os
 
 import pytest
+
+from tests.support import stacks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
@@ -245,11 +246,9 @@ def test_reload_post_processes_under_the_engines_default_dtype():
 
 
 def test_ascend_statements_are_the_real_ones():
-    src = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/vllm_ascend/vllm_ascend/quantization/methods/"
-                             "w8a8_dynamic.py")
-    if not os.path.exists(src):
-        pytest.skip("vLLM-Ascend 0.23 source not unpacked")
-    tree = ast.parse(open(src).read())
+    src = stacks.source("current", "vllm_ascend", "vllm_ascend", "quantization", "methods", "w8a8_dynamic.py")
+    with open(src) as fh:
+        tree = ast.parse(fh.read())
     cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "AscendW8A8DynamicLinearMethod")
     fn = next(i for i in cls.body if isinstance(i, ast.FunctionDef) and i.name == "process_weights_after_loading")
     real = ast.unparse(fn)

@@ -26,12 +26,11 @@ import os
 import sys
 import types
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-VERL_SRC = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/verl")
 BUCKET_BYTES = 160 << 10
 
 
-def install_verl_scaffolding(src: str = VERL_SRC) -> None:
+def install_verl_scaffolding(src: str) -> None:
+    """``src``: the unpacked verl 0.9.1 source tree (the directory holding ``verl/``)."""
     root = os.path.join(src, "verl")
     if not os.path.isdir(root):
         raise FileNotFoundError(f"verl sources not unpacked at {src}")
@@ -100,10 +99,9 @@ def install_verl_scaffolding(src: str = VERL_SRC) -> None:
     set_platform(CpuPlatformDouble())
 
 
-def run(paths: dict, out_dir: str) -> dict:
-    sys.path.insert(0, HERE)
+def run(paths: dict, out_dir: str, verl_src: str) -> dict:
     os.environ.setdefault("VERL_RAY_JOB_ID", f"ascendrl{os.getpid()}")
-    install_verl_scaffolding()
+    install_verl_scaffolding(verl_src)
     import asyncio
     import threading
 
@@ -111,13 +109,14 @@ def run(paths: dict, out_dir: str) -> dict:
     import zmq
     from safetensors.torch import load_file, save_file
 
-    import engine_scenario
     import verl.workers.rollout.vllm_rollout.utils as verl_utils
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
     from vllm import LLM
 
     from ascend_rl_plugins.features.flashrl import reload as rl
     from ascend_rl_plugins.patching import REGISTRY
+
+    from . import engine_scenario
 
     # if the receiver fails, verl's sender would wait for its reply forever (REQ socket)
     zmq.Context.instance().setsockopt(zmq.RCVTIMEO, 20_000)

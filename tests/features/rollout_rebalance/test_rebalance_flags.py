@@ -6,6 +6,7 @@ import pytest
 
 from ascend_rl_plugins import flags
 from ascend_rl_plugins.features import rollout_rebalance as rr
+from tests.support import stacks
 
 
 def test_seed_alias_enables():
@@ -43,16 +44,13 @@ def test_doctor_says_where_rebalancing_does_not_apply(monkeypatch, stack, verdic
     """doctor on verl 0.9.1 (current) lists the async-server notice as applying (rebalancing
     requested); on verl 0.6.1 (recipe, in-process spmd rollout) it does not apply, and it is
     never reported as a problem."""
-    import os
-    from ascend_rl_plugins.doctor import cache_dir, evaluate, stack_roots
+    from ascend_rl_plugins.doctor import evaluate
     from ascend_rl_plugins.patching.core import REGISTRY
-    if not os.path.isdir(os.path.join(cache_dir(), "stacks", stack, "src")):
-        pytest.skip(f"stack {stack} not built")
+    roots = stacks.roots(stack)
     monkeypatch.setenv("ASCEND_RL_ROLLOUT_REBALANCE", "1")
     flags.reset_cache()
     try:
-        row = evaluate(REGISTRY.patches["rollout_rebalance.verl_async_server_notice"],
-                       stack_roots(stack)[1])
+        row = evaluate(REGISTRY.patches["rollout_rebalance.verl_async_server_notice"], roots)
     finally:
         monkeypatch.delenv("ASCEND_RL_ROLLOUT_REBALANCE")
         flags.reset_cache()
