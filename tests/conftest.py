@@ -1,9 +1,6 @@
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # TRANSITIONAL: legacy `from helpers import`; removed with tests/helpers.py
 
 os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")  # tests activate explicitly, in child processes
 # verl 0.9 activates every `verl.plugins` entry point (this plugin) in any process that imports
