@@ -38,7 +38,11 @@ class Patch:
         for key, module in list(sys.modules.items()):
             if skip_mindspeed and "mindspeed" in key:
                 continue
-            if getattr(module, self.orig_func_name, None) is old:
+            try:
+                found = getattr(module, self.orig_func_name, None)
+            except Exception:  # lazy modules (transformers 5) import on attribute access and may
+                continue       # raise ModuleNotFoundError here (no torchvision in the test venvs)
+            if found is old:
                 setattr(module, self.orig_func_name, new)
 
     def apply_patch(self):
