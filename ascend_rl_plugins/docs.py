@@ -52,10 +52,8 @@ def status_table(link_prefix: str = "ascend_rl_plugins/features/") -> str:
         f = REGISTRY.features[name]
         flag = f"`{f.flag.name}`" if f.flag is not None else "always on"
         v = f.verified
-        kinds = " / ".join(k for k, text in (("CPU", v.cpu_runtime), ("doubles", v.doubles),
-                                             ("static", v.static)) if text) or "-"
         lines.append(f"| [{name}]({link_prefix}{name}/README.md) | {_cell(f.summary)} | {flag} | "
-                     f"{_cell(f.stacks or '-')} | {kinds} | {_cell(v.npu) if v.npu else 'no'} |")
+                     f"{_cell(f.stacks or '-')} | {v.kinds()} | {_cell(v.npu) if v.npu else 'no'} |")
     return "\n".join(lines)
 
 

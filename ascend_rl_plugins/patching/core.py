@@ -171,11 +171,10 @@ class Verified:
     static: str = ""  # checked by reading upstream source only
     npu: str = ""  # ran on an Ascend NPU (where, which stack); "" = never
 
-    def summary(self) -> str:
-        parts = [f"CPU: {self.cpu_runtime}" if self.cpu_runtime else "",
-                 f"doubles: {self.doubles}" if self.doubles else "",
-                 f"static: {self.static}" if self.static else ""]
-        return "; ".join(p for p in parts if p) or "-"
+    def kinds(self) -> str:
+        """The kinds of evidence present, e.g. ``CPU / doubles / static`` (status table)."""
+        return " / ".join(k for k, text in (("CPU", self.cpu_runtime), ("doubles", self.doubles),
+                                            ("static", self.static)) if text) or "-"
 
 
 _NAME_PART = re.compile(r"[a-z0-9][a-z0-9_]*\Z")

@@ -16,7 +16,8 @@ STACKS = ("recipe", "current")
 
 
 def cache_dir() -> str:
-    return os.environ.get("ASCEND_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ascend-rl")
+    from ascend_rl_plugins.doctor import cache_dir as product_cache_dir  # the one definition
+    return product_cache_dir()
 
 
 def stack_dir(stack: str) -> str:
