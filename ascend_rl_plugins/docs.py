@@ -50,7 +50,10 @@ def status_table(link_prefix: str = "ascend_rl_plugins/features/") -> str:
              "| ran on an NPU |", "|---|---|---|---|---|---|"]
     for name in sorted(REGISTRY.features):
         f = REGISTRY.features[name]
-        flag = f"`{f.flag.name}`" if f.flag is not None else "always on"
+        if f.flag is not None:
+            flag = f"`{f.flag.name}`"
+        else:  # no switch: its patches are on by default, or it has none (a library / command)
+            flag = "always on" if f.patches else "nothing to switch (no patches)"
         v = f.verified
         lines.append(f"| [{name}]({link_prefix}{name}/README.md) | {_cell(f.summary)} | {flag} | "
                      f"{_cell(f.stacks or '-')} | {v.kinds()} | {_cell(v.npu) if v.npu else 'no'} |")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 log = logging.getLogger("ascend_rl_plugins")
 
 PREFIX = "ASCEND_RL_"
+OFF = "off"  # the value of an off|auto|on switch that turns its feature off
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -136,6 +137,15 @@ class Flag:
     @property
     def explicitly_set(self) -> bool:
         return self.lookup(os.environ)[1] != "default"
+
+    @property
+    def switched_on(self) -> bool:
+        """This flag read as a feature's switch. An enum whose choices include ``off`` (e.g.
+        ``off|auto|on``) is on unless its value is ``off``; any other kind is on when truthy."""
+        value = self.value
+        if self.kind == "enum" and OFF in self.choices:
+            return value != OFF
+        return bool(value)
 
 
 class _Registry:

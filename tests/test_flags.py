@@ -98,3 +98,22 @@ def test_names_must_be_canonical():
 def test_int_round_trip(n):
     f = flags.Flag("ASCEND_RL_T_PROP", "int", 0, "p")
     assert f.parse(str(n)) == n
+
+
+def test_an_off_auto_on_enum_switches_its_feature_off_only_at_off(monkeypatch):
+    """A feature whose switch is a mode (``off|auto|on``) is off at ``off`` and on otherwise;
+    an enum without an ``off`` choice and a bool keep their plain truth value."""
+    from ascend_rl_plugins.patching import Feature, Verified
+    mode = flags.define("ASCEND_RL_T_MODE", "enum", "off", "m", choices=("off", "auto", "on"))
+    feature = Feature("t_mode_switch", "a mode-switched feature", flag=mode, verified=Verified(cpu_runtime="t"))
+    assert not mode.switched_on and not feature.switched_on()
+    for value in ("auto", "on"):
+        monkeypatch.setenv("ASCEND_RL_T_MODE", value)
+        flags.reset_cache()
+        assert mode.switched_on and feature.switched_on()
+    monkeypatch.setenv("ASCEND_RL_T_MODE", "off")
+    flags.reset_cache()
+    assert not feature.switched_on()
+    plain = flags.define("ASCEND_RL_T_POLICY", "enum", "first", "p", choices=("first", "all"))
+    assert plain.switched_on
+    assert not flags.define("ASCEND_RL_T_SWITCH", "bool", False, "s").switched_on

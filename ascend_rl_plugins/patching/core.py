@@ -108,14 +108,15 @@ class Patch:
         if gate is None:
             return True, "always on"
         if isinstance(gate, _flags.Flag):
-            on = bool(gate.value)
-            return on, f"{gate.name}={'on' if on else 'off'}"
+            on = gate.switched_on
+            shown = gate.value if gate.kind == "enum" else ("on" if on else "off")
+            return on, f"{gate.name}={shown}"
         on = bool(gate())
         return on, "condition " + getattr(gate, "__name__", "callable") + ("" if on else " not met")
 
     def explicitly_enabled(self) -> bool:
         gate = self.enabled_by if self.enabled_by is not None else self.feature.flag
-        return isinstance(gate, _flags.Flag) and gate.explicitly_set and bool(gate.value)
+        return isinstance(gate, _flags.Flag) and gate.explicitly_set and gate.switched_on
 
     def version_state(self, roots=None) -> tuple[str, str | None, str]:
         """('ok' | 'outside' | 'absent', version, detail)."""
@@ -213,7 +214,7 @@ class Feature:
         return [r for r in (n.check(roots) for n in self.not_applicable) if r]
 
     def switched_on(self) -> bool:
-        return self.flag is not None and bool(self.flag.value)
+        return self.flag is not None and self.flag.switched_on
 
     def __repr__(self) -> str:
         return f"Feature({self.name!r}, {len(self.patches)} patches)"
@@ -441,12 +442,18 @@ class Registry:
     def apply(self, p: Patch) -> bool:
         """Apply ``p`` now (its module must be importable). Idempotent."""
         with self._lock:
+            try:
+                if p.module not in sys.modules:
+                    # may run this registry's post-import hook, which applies a pending ``p``:
+                    # look at the slot only afterwards, or ``p`` would be installed twice
+                    __import__(p.module)
+            except Exception as exc:
+                self._missing(p, f"target {p.target} not found: {exc}")
+                return False
             slot = self._slots.get(p.target)
             if slot is not None and p in slot.active:
                 return True
             try:
-                if p.module not in sys.modules:
-                    __import__(p.module)
                 parent, attr, raw, own = _resolve_runtime(p.target)
             except Exception as exc:
                 self._missing(p, f"target {p.target} not found: {exc}")

@@ -166,6 +166,25 @@ def test_lazy_application_waits_for_the_import():
     assert tabnanny.errprint() == "patched"
 
 
+def test_applying_a_pending_patch_by_hand_installs_it_once():
+    """``apply`` on a pending patch imports its module, which runs the post-import hook that
+    applies the patch; the explicit call must then find it applied, not wrap a second time."""
+    if "tabnanny" in sys.modules:
+        pytest.skip("tabnanny already imported in this process")
+    f = _feature()
+    f.after("tabnanny:errprint", lambda result, i, a, k: "patched", dist=None, reason="t",
+            remove_when="never", name="t.pending_by_hand")
+    REGISTRY.activate()
+    p = REGISTRY.patches["t.pending_by_hand"]
+    assert p.outcome.state == "pending"
+    assert REGISTRY.apply(p)
+    import tabnanny
+    assert tabnanny.errprint() == "patched"
+    assert not hasattr(tabnanny.errprint.__wrapped__, "__wrapped__"), "installed twice"
+    assert REGISTRY.revert(p)
+    assert not hasattr(tabnanny.errprint, "__wrapped__"), "a wrapper survived revert"
+
+
 def test_version_gate_uses_the_installed_distribution():
     from importlib.metadata import version
     installed = version("packaging")

@@ -1,4 +1,4 @@
-"""FlashRL: INT8 / FP8 (W8A8) rollout with online quantization of every weight update.
+"""FlashRL: INT8 / FP8 (W8A8) and W4A16 rollout with online quantization of every weight update.
 
 Why these patches exist: the Qwen3 RL recipe's docs 000/001 run RL rollouts in INT8 with FlashRL
 (``flash-llm-rl``), which is CUDA-bound, edits ``usercustomize.py``, replaces
@@ -8,6 +8,12 @@ vLLM-Ascend's NZ weights). Here the same capability is a set of small, version-r
 hooks: the engine serves the W8A8 checkpoint named by the config, each BF16 weight update
 is quantized online and reloaded through the quant method's own post-processing, and the
 lm_head may be kept in float32.
+
+W4A16 (seed doc 002's INT4 rollout): the engine serves a compressed-tensors pack-quantized
+checkpoint on vLLM's CPUWNA16 kernel; updates are quantized with the converter's
+``int4.quantize_pack`` and written straight into the kernel's post-processed storage.
+Block FP8 is refused at engine start where it cannot be served (vLLM-Ascend keeps
+power-of-two block scales only) or where the online reload is not provided.
 
 When they can be removed: when vLLM's layerwise weight reload (0.23's
 ``model_loader/reload``) accepts BF16 updates for compressed-tensors INT8 layers with
@@ -29,9 +35,9 @@ log = logging.getLogger("ascend_rl_plugins.flashrl")
 CONFIG = flags.define(
     "ASCEND_RL_FLASHRL", "str", "",
     "FlashRL rollout: a config file written by `ascend-rl flashrl setup` (rank r uses config r mod n; "
-    "fn int8* or fp8_channel/fp8_tensor), or the preset 'bf16'; empty = off. 'int8' and 'fp8' need a config "
-    "file (it names the W8A8 checkpoint); an FP8 config on a platform that cannot serve FP8 W8A8 (vLLM CPU) "
-    "fails at engine start naming what is supported.",
+    "fn int8*, fp8_channel/fp8_tensor, w4a16 or fp8_block), or the preset 'bf16'; empty = off. 'int8' and 'fp8' "
+    "need a config file (it names the quantized checkpoint); a format the platform cannot serve (FP8 W8A8 or "
+    "W4A16 on vLLM 0.13 CPU, block FP8 on vLLM-Ascend ...) fails at engine start naming what is supported.",
     aliases=("FLASHRL_CONFIG",), feature="flashrl")
 LOGGING_LEVEL = flags.define(
     "ASCEND_RL_FLASHRL_LOGGING_LEVEL", "enum", "info",
@@ -43,14 +49,29 @@ LMHEAD_FP32 = flags.define(
     "importance sampling lose no precision.",
     aliases=("FLASHRL_LMHEAD_FP32",), feature="flashrl")
 
-FEATURE = Feature("flashrl", "INT8/FP8 W8A8 rollout with online-quantized weight reload (FlashRL)", flag=CONFIG,
-                  replaces="Qwen3 RL recipe docs 000/001 (FlashRL: flash-llm-rl profile/setup, FLASHRL_CONFIG)",
+INT4_GROUP_SIZE = flags.define(
+    "ASCEND_RL_FLASHRL_INT4_GROUP_SIZE", "enum", "auto",
+    "W4A16 rollout (fn w4a16): the INT4 group size the trainer uses (QAT); the served checkpoint must have it, "
+    "else engine start fails naming both. 'auto': take the checkpoint's group size.",
+    choices=("auto", "32", "64", "128"), feature="flashrl")
+INT4_PRESET = flags.define(
+    "ASCEND_RL_FLASHRL_INT4_PRESET", "enum", "ct",
+    "W4A16 rollout: the INT4 quantizer formula of the online re-quantization, which must be the one the "
+    "checkpoint was written with (`ascend-rl flashrl quantize --fn w4a16`): 'ct' (compressed-tensors, "
+    "scale = amax/7.5, codes -8..7) or 'slime' (scale = bf16(amax/7), codes -7..7).",
+    choices=("ct", "slime"), feature="flashrl")
+
+FEATURE = Feature("flashrl", "INT8/FP8 W8A8 and W4A16 rollout with online-quantized weight reload (FlashRL)",
+                  flag=CONFIG,
+                  replaces="Qwen3 RL recipe docs 000/001 (FlashRL: flash-llm-rl profile/setup, FLASHRL_CONFIG); "
+                           "seed doc 002's INT4 (W4A16) rollout",
                   verified=Verified(
-                      cpu_runtime="vLLM 0.23's real oneDNN int8 kernel; verl 0.9.1's real bucketed "
-                                  "update path on vLLM 0.23",
+                      cpu_runtime="vLLM 0.23's real oneDNN int8 kernel and real CPUWNA16 W4A16 kernel; verl "
+                                  "0.9.1's real bucketed update path on vLLM 0.23",
                       doubles="vLLM 0.13 with a torch double of the oneDNN int8 ops missing from its "
-                              "CPU wheel; FP8 on vLLM 0.23 with its capability check doubled",
-                      static="vLLM-Ascend W8A8 layout hooks (0.13, 0.23)"),
+                              "CPU wheel; FP8 on vLLM 0.23 with its capability check doubled; vLLM-Ascend "
+                              "block-FP8 refusal on a signature-checked double",
+                      static="vLLM-Ascend W8A8 layout hooks (0.13, 0.23), block-FP8 refusal target (0.23)"),
                   stacks="recipe, current")
 
 _LM_HEAD_UPSTREAM = "https://github.com/vllm-project/vllm/pull/48390"  # head_dtype for generation models
@@ -110,6 +131,16 @@ def _flashrl_engine_args(instance, args, kwargs):
             raise ConfigError(f"{CONFIG.name}={CONFIG.value} selects fn={cfg.fn!r} (FP8 W8A8 rollout), which this "
                               f"platform cannot serve: {why}. Supported here: int8 configs (`ascend-rl flashrl "
                               f"setup -m W8A8 -p PROFILE --fn int8`) and bf16.")
+    if cfg.is_int4 or cfg.is_block_fp8:
+        _check_low_precision(cfg)
+    if cfg.is_quantized:
+        stacked = _verl_fp8_rollout(instance)
+        if stacked:
+            from .config import ConfigError
+            raise ConfigError(f"{CONFIG.name}={CONFIG.value} selects fn={cfg.fn!r} (flashrl's quantized rollout with "
+                              f"online re-quantization) while {stacked}; the two would quantize the same updates "
+                              f"twice. Use one: unset {CONFIG.name}, or drop verl's actor_rollout_ref.rollout."
+                              f"quantization=fp8.")
     if cfg.is_quantized and cfg.model and os.path.abspath(str(instance.model)) != os.path.abspath(cfg.model):
         log.info("flashrl: serving %s (W8A8) instead of %s", cfg.model, instance.model)
         if getattr(instance, "tokenizer", None) in (None, ""):
@@ -117,6 +148,41 @@ def _flashrl_engine_args(instance, args, kwargs):
         instance.model = cfg.model
     if cfg.is_quantized and cfg.load_format:
         instance.load_format = cfg.load_format
+    return None
+
+
+def _check_low_precision(cfg) -> None:
+    """fn w4a16 / fp8_block: refuse at engine start where the platform cannot serve them."""
+    from .config import ConfigError
+    from .fp8_support import ALTERNATIVES, block_fp8_support, w4a16_support
+    if cfg.is_int4:
+        ok, why = w4a16_support()
+        if not ok:
+            raise ConfigError(f"{CONFIG.name}={CONFIG.value} selects fn='w4a16' (W4A16 rollout), which this platform "
+                              f"cannot serve with flashrl's reload: {why}. Supported here instead: {ALTERNATIVES}.")
+        return
+    ok, why = block_fp8_support()
+    if ok:
+        why = (f"vLLM serves block FP8 on this CPU ({why}), but flashrl's online block-FP8 re-quantization into a "
+               f"running engine is not provided; serve the block-FP8 checkpoint without {CONFIG.name} (vLLM's own "
+               f"reload_weights takes pre-quantized tensors)")
+    raise ConfigError(f"{CONFIG.name}={CONFIG.value} selects fn='fp8_block' (128x128 block FP8 rollout), which is "
+                      f"refused here: {why}. Supported instead: {ALTERNATIVES}, and W4A16 (--fn w4a16) on vLLM 0.23 "
+                      f"CPU.")
+
+
+def _verl_fp8_rollout(instance) -> str | None:
+    """Whether verl 0.9.1's own FP8 rollout is on for this engine (what to call it), else None.
+    verl's vLLM server sets VERL_VLLM_FP8_QUANT_ENABLED=1 and injects an fp8 quantization_config
+    through hf_overrides (``rollout.quantization=fp8``)."""
+    if os.environ.get("VERL_VLLM_FP8_QUANT_ENABLED", "0") == "1":
+        return "verl's FP8 rollout is on (VERL_VLLM_FP8_QUANT_ENABLED=1: actor_rollout_ref.rollout.quantization=fp8)"
+    if str(getattr(instance, "quantization", None) or "") == "fp8":
+        return "the engine is asked for vLLM's own online FP8 quantization (quantization='fp8', verl's FP8 rollout)"
+    overrides = getattr(instance, "hf_overrides", None)
+    qc = overrides.get("quantization_config") if isinstance(overrides, dict) else None
+    if isinstance(qc, dict) and qc.get("quant_method") == "fp8":
+        return "hf_overrides inject an fp8 quantization_config (verl's FP8 rollout)"
     return None
 
 
@@ -213,3 +279,21 @@ for _versions, _cls, _scheme, _tag in _ASCEND_TARGETS:
                           "is refused at engine start with the setting that disables it",
                    replaces="FlashRL as_strided raw-storage copy (wrong for NZ weights)",
                    remove_when="the reload is verified on an NPU with NZ weights (copy_ between NZ tensors)")
+
+
+# -- vLLM-Ascend 0.23: refuse generic block FP8 (its fp8 method keeps power-of-two scales only) ----
+
+@FEATURE.before("vllm_ascend.quantization.fp8_config:AscendFp8Config.from_config",
+                name="flashrl.ascend_block_fp8_refusal", dist="vllm-ascend", versions=">=0.23,<0.24", order=40,
+                params=("cls", "config"),
+                reason="vLLM-Ascend 0.23 serves quant_method 'fp8' through its MXFP8 method, whose post-processing "
+                       "keeps only the exponent of each 128x128 block scale; a generic block-FP8 checkpoint (slime's "
+                       "FP8 rollout: scale = amax/448) would be served with wrong weights, so with a flashrl "
+                       "quantized rollout active it is refused when the engine parses the quantization config, "
+                       "naming per-channel FP8 (W8A8FP8_DYNAMIC) and INT8 W8A8 instead",
+                remove_when="vLLM-Ascend's fp8 method keeps float32 block scales (or checks scale_fmt itself)")
+def _flashrl_ascend_block_fp8(instance, args, kwargs):
+    config = args[0] if args else kwargs.get("config")
+    from .hooks import ascend_refuse_block_fp8
+    ascend_refuse_block_fp8(config)
+    return None

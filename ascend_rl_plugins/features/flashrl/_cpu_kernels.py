@@ -137,3 +137,32 @@ def int8_row_sums(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     (``x.stride(1) == 1``) and a contiguous float32 ``out`` of ``x.shape[0]`` elements."""
     _row_sums_int8(x.numpy(), out.view(-1).numpy(), _CHUNKS)
     return out
+
+
+# -- W4A16: compressed-tensors pack-quantized -> vLLM's CPUWNA16 blocked layout ---------------
+
+@nb.njit(parallel=True, cache=True)
+def _wna16_blocked(p, f):
+    """``p``: uint32 ``[out, in / 8]`` (compressed-tensors: input column ``8m + q`` of row ``o`` in
+    nibble ``q`` of ``p[o, m]``). ``f``: uint32 ``[out / 16, 2 * in]``: word ``f[j, 2k + h]`` holds
+    input column ``k`` of the 8 output rows ``16j + 8h + i`` (nibble ``i``). An 8x8 nibble
+    transpose per (row block, word); pure bit moves, so exact."""
+    blocks = p.shape[0] // 16
+    words = p.shape[1]
+    for j in nb.prange(blocks):
+        for h in range(2):
+            base = 16 * j + 8 * h
+            for m in range(words):
+                for q in range(8):
+                    sh = np.uint32(4 * q)
+                    v = np.uint32(0)
+                    for i in range(8):
+                        v |= ((p[base + i, m] >> sh) & np.uint32(15)) << np.uint32(4 * i)
+                    f[j, 2 * (8 * m + q) + h] = v
+
+
+def wna16_blocked_cpu(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the CPUWNA16 (W4A16, non-W4A8) layout of a contiguous int32 ``packed [out, in/8]``
+    into the contiguous int32 ``out [out/16, 2*in]`` (the engine's own storage)."""
+    _wna16_blocked(packed.numpy().view(np.uint32), out.numpy().view(np.uint32))
+    return out

@@ -7,6 +7,14 @@
 * ``quantize -m BF16 -o INT8 [--profile P] [--scheme dynamic] [--fn int8|fp8_channel|fp8_tensor]``:
   this project's offline W8A8 quantizer (FlashRL has none; it expects an llm-compressor
   checkpoint).
+* ``quantize -m BF16 -o W4A16 --fn w4a16 [--group-size 128] [--scope all|experts] [--preset ct|slime]``:
+  compressed-tensors W4A16 ``pack-quantized`` (group-wise symmetric INT4) for vLLM, with
+  the top-level ``group_size`` vLLM-Ascend reads; ``--scope experts`` quantizes routed
+  experts only (slime). ``--group-size`` is the quantization group size (not GPTQ's
+  column block size).
+* ``quantize -m BF16 -o FP8 --fn fp8-block [--fp8-format fp8|ct] [--scope all|experts]``:
+  128x128 block FP8 (``quant_method: fp8`` + ``weight_block_size`` + ``weight_scale_inv``,
+  or compressed-tensors ``FP8_BLOCK``).
 
 Only local paths are read; nothing is downloaded and ``usercustomize.py`` is never
 edited (activation is the vLLM plugin entry point plus ``ASCEND_RL_FLASHRL``).
@@ -19,7 +27,7 @@ import os
 import sys
 
 SETUP_FNS = ("fp8", "fp8_fast", "fp8_vllm", "fp8_vllm_fast", "fp8_channel", "fp8_tensor", "int8", "int8_fast",
-             "int8_wo_prune", "int8_prune", "bf16")
+             "int8_wo_prune", "int8_prune", "w4a16", "fp8_block", "bf16")
 NO_MODEL_FNS = ("bf16", "fp8_vllm", "fp8", "fp8_fast", "fp8_vllm_fast")
 
 
@@ -51,7 +59,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
     from .config import ConfigError, RolloutConfig, write_config
     output = args.config_output or os.path.expanduser("~/.flashrl_config.yaml")
     if args.model is None and args.fn not in NO_MODEL_FNS:
-        return _fail(f"-m/--model (the W8A8 checkpoint) is required for --fn {args.fn}")
+        return _fail(f"-m/--model (the quantized checkpoint) is required for --fn {args.fn}")
     entry = RolloutConfig(fn=args.fn, model=args.model, profile=args.profile,
                           load_format="dummy" if args.fn == "bf16" else "auto")
     for column in args.columns:
@@ -76,10 +84,37 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+LOW_PRECISION_FNS = ("w4a16", "fp8-block")
+
+
+def _quantize_low_precision(args: argparse.Namespace) -> int:
+    from .checkpoint import quantize_checkpoint_fp8_block, quantize_checkpoint_w4a16
+    from .config import ConfigError, require_local_dir
+    if args.profile:
+        return _fail(f"--fn {args.fn} takes no smoothing profile (-p/--profile)")
+    try:
+        require_local_dir(args.model, "-m/--model")
+        if args.fn == "w4a16":
+            quantize_checkpoint_w4a16(args.model, args.output, group_size=args.group_size, scope=args.scope,
+                                      preset=args.preset)
+            what = f"W4A16 (int4 group {args.group_size}, preset {args.preset}, scope {args.scope})"
+        else:
+            quantize_checkpoint_fp8_block(args.model, args.output, fmt=args.fp8_format, scope=args.scope)
+            what = f"block FP8 (128x128, format {args.fp8_format}, scope {args.scope})"
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc))
+    print(f"{what} checkpoint written to {args.output}")
+    return 0
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from .checkpoint import quantize_checkpoint
     from .config import ConfigError, require_local_dir
     from .profile import Profile, ProfileError
+    if args.fn in LOW_PRECISION_FNS:
+        return _quantize_low_precision(args)
+    if args.scope != "all":
+        return _fail(f"--scope {args.scope} applies to --fn w4a16 / fp8-block only")
     try:
         require_local_dir(args.model, "-m/--model")
         prof = Profile.load(args.profile) if args.profile else None
@@ -117,6 +152,17 @@ def register(subparsers) -> None:
     q.add_argument("-o", "--output", required=True, help="output directory")
     q.add_argument("-p", "--profile", default=None, help="smoothing factors (a profile file)")
     q.add_argument("--scheme", choices=["dynamic", "static"], default="dynamic")
-    q.add_argument("--fn", choices=["int8", "int8_prune", "fp8_channel", "fp8_tensor"], default="int8",
-                   help="int8 W8A8, or FP8 E4M3 W8A8 with per-channel / per-tensor weight scales")
+    q.add_argument("--fn", choices=["int8", "int8_prune", "fp8_channel", "fp8_tensor", *LOW_PRECISION_FNS],
+                   default="int8",
+                   help="int8 W8A8; FP8 E4M3 W8A8 with per-channel / per-tensor weight scales; w4a16 "
+                        "(group-wise INT4 weights); fp8-block (128x128 block FP8 weights)")
+    q.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128,
+                   help="w4a16: input columns per INT4 scale (the quantization group size)")
+    q.add_argument("--scope", choices=["all", "experts"], default="all",
+                   help="w4a16 / fp8-block: quantize every decoder linear, or routed MoE experts only")
+    q.add_argument("--preset", choices=["ct", "slime"], default="ct",
+                   help="w4a16: ct = compressed-tensors' W4A16 formula (amax/7.5, [-8, 7]); "
+                        "slime = amax/7, [-7, 7], bf16 scales")
+    q.add_argument("--fp8-format", choices=["fp8", "ct"], default="fp8",
+                   help="fp8-block: quant_method fp8 with weight_scale_inv, or compressed-tensors FP8_BLOCK")
     q.set_defaults(func=cmd_quantize)

@@ -13,14 +13,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FNS = ("int8", "int8_fast", "int8_wo_prune", "int8_prune", "bf16", "fp8", "fp8_vllm", "fp8_fast",
-       "fp8_vllm_fast", "fp8_channel", "fp8_tensor")
+       "fp8_vllm_fast", "fp8_channel", "fp8_tensor", "w4a16", "fp8_block")
 INT8_FNS = ("int8", "int8_fast", "int8_wo_prune", "int8_prune")
 FP8_FNS = ("fp8_channel", "fp8_tensor")  # compressed-tensors FP8 W8A8 checkpoints (per-channel / per-tensor)
 # FlashRL's profile-free FP8 (vLLM's own online `quantization="fp8"` on the BF16 model)
 VLLM_FP8_FNS = ("fp8", "fp8_vllm", "fp8_fast", "fp8_vllm_fast")
+INT4_FNS = ("w4a16",)  # compressed-tensors W4A16 pack-quantized checkpoints (group-wise, symmetric)
+BLOCK_FP8_FNS = ("fp8_block",)  # 128x128 block FP8 (slime's FP8 rollout): refused at engine start, see fp8_support
 PRESETS = ("bf16", "int8", "fp8")
-SUPPORTED_FNS = INT8_FNS + FP8_FNS + ("bf16",)
-FN_NEEDS_MODEL = INT8_FNS + FP8_FNS
+SUPPORTED_FNS = INT8_FNS + FP8_FNS + INT4_FNS + BLOCK_FP8_FNS + ("bf16",)
+FN_NEEDS_MODEL = INT8_FNS + FP8_FNS + INT4_FNS + BLOCK_FP8_FNS
 FP8_HOWTO = ("write an FP8 W8A8 checkpoint with `ascend-rl flashrl quantize -m BF16 -o FP8 --fn fp8_channel` "
              "(optionally -p PROFILE), then `ascend-rl flashrl setup -m FP8 [-p PROFILE] --fn fp8_channel -o CONFIG` "
              "and set ASCEND_RL_FLASHRL=CONFIG")
@@ -50,9 +52,17 @@ class RolloutConfig:
         return self.fn in FP8_FNS
 
     @property
+    def is_int4(self) -> bool:
+        return self.fn in INT4_FNS
+
+    @property
+    def is_block_fp8(self) -> bool:
+        return self.fn in BLOCK_FP8_FNS
+
+    @property
     def is_quantized(self) -> bool:
-        """Serves a W8A8 checkpoint whose updates are quantized online by this project."""
-        return self.fn in INT8_FNS or self.fn in FP8_FNS
+        """Serves a quantized checkpoint whose updates are quantized online by this project."""
+        return self.fn in INT8_FNS or self.fn in FP8_FNS or self.fn in INT4_FNS or self.fn in BLOCK_FP8_FNS
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -80,8 +90,11 @@ class RolloutConfig:
                               f"quantization='fp8' of the BF16 model), which ascend-rl does not provide; for FP8 "
                               f"rollout {FP8_HOWTO}. Supported fn values: {', '.join(SUPPORTED_FNS)}")
         if self.fn in FN_NEEDS_MODEL and not self.model:
-            what = "FP8" if self.fn in FP8_FNS else "W8A8"
+            what = {**{f: "FP8" for f in FP8_FNS}, "w4a16": "W4A16", "fp8_block": "block-FP8"}.get(self.fn, "W8A8")
             raise ConfigError(f"{where}: fn={self.fn!r} needs 'model' (the local {what} checkpoint directory)")
+        if self.fn in INT4_FNS + BLOCK_FP8_FNS and self.profile:
+            raise ConfigError(f"{where}: fn={self.fn!r} takes no profile (smoothing factors are for W8A8; "
+                              f"W4A16 and block FP8 keep activations in 16 bits); remove 'profile'")
         if not check_files:
             return
         if self.model:

@@ -74,3 +74,92 @@ def fp8_support(strategy: str = "channel") -> tuple[bool, str]:
         return False, (f"vLLM {vv} on {plat}: per-tensor FP8 post-processing of fused layers calls "
                        f"_C.static_scaled_fp8_quant, which this wheel lacks; use fn: fp8_channel")
     return True, f"vLLM {vv} compressed-tensors FP8 W8A8 on {plat}"
+
+
+# -- W4A16 and block FP8 ------------------------------------------------------------------------
+
+ALTERNATIVES = ("int8 W8A8 configs (`ascend-rl flashrl setup -m W8A8 -p PROFILE --fn int8`), per-channel FP8 "
+                "(`--fn fp8_channel`, vLLM-Ascend >= 0.23 W8A8FP8_DYNAMIC) and bf16")
+
+
+def _on_npu() -> tuple[bool, str | None]:
+    from vllm.platforms import current_platform
+    va = _version("vllm-ascend")
+    return (va is not None and getattr(current_platform, "device_name", "") == "npu"), va
+
+
+def _amx() -> bool:
+    import torch
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def w4a16_support(env=None) -> tuple[bool, str]:
+    """(supported, explanation): can this platform serve a compressed-tensors W4A16
+    (pack-quantized, symmetric, group-wise) checkpoint *and* take flashrl's online reload?
+
+    * vLLM CPU: 0.23 has ``CPUWNA16LinearKernel``; its W4A16 mode needs
+      ``VLLM_CPU_INT4_W4A8=0`` on AMX CPUs (otherwise vLLM quantizes the activations to int8:
+      W4A8, not what the trainer's QAT sees). vLLM 0.13's CPU build has no W4A16 kernel.
+    * vLLM-Ascend 0.13 / 0.23: W4A16 only for fused-MoE experts (a dense linear raises); the
+      reload into its MoE layout is not provided (not verifiable without an NPU).
+    """
+    import os
+    env = os.environ if env is None else env
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # noqa: BLE001
+        return False, f"vLLM is not importable ({type(exc).__name__}: {exc})"
+    npu, va = _on_npu()
+    vv = _version("vllm")
+    if npu:
+        return False, (f"vLLM-Ascend {va} serves W4A16 only for fused-MoE experts (AscendW4A16FusedMoEMethod; a "
+                       f"dense W4A16 linear raises) and flashrl's online reload into that layout is not provided "
+                       f"(nothing of it has run on an NPU)")
+    if not current_platform.is_cpu():
+        return False, (f"flashrl's W4A16 reload is verified on vLLM's CPU kernel only, not on "
+                       f"{type(current_platform).__name__}")
+    try:
+        from vllm.model_executor.kernels.linear.mixed_precision import cpu as wna16_cpu
+        has_kernel = hasattr(wna16_cpu, "CPUWNA16LinearKernel")
+    except Exception:  # noqa: BLE001
+        has_kernel = False
+    if not has_kernel:
+        return False, (f"vLLM {vv}'s CPU build has no W4A16 kernel (CPUWNA16LinearKernel is in vLLM 0.23, not "
+                       f"in {vv}; its Dynamic4bitLinearKernel takes signed int4 with dynamic activations only)")
+    if _amx() and str(env.get("VLLM_CPU_INT4_W4A8", "1")).strip() not in ("0", "false", "False"):
+        return False, (f"on this AMX CPU vLLM {vv}'s CPUWNA16 kernel would run W4A8 (int8 activations, not "
+                       f"what the trainer sees); set VLLM_CPU_INT4_W4A8=0 for W4A16")
+    return True, f"vLLM {vv} CPUWNA16LinearKernel (W4A16 mode)"
+
+
+def block_fp8_support() -> tuple[bool, str]:
+    """(served, explanation): can this platform serve a 128x128 block-FP8 checkpoint
+    (``quant_method: fp8``, ``weight_block_size: [128, 128]``, float32 ``weight_scale_inv``)?
+
+    * vLLM CPU 0.23: ``CPUFp8BlockScaledMMKernel`` (FP8 weights, BF16 activations) where
+      vLLM says so: it needs AMX tiles (its ``is_supported``; the ``_C.fp8_scaled_mm_cpu``
+      op itself also runs without AMX, vLLM refuses anyway). vLLM 0.13 CPU: no such kernel.
+    * vLLM-Ascend 0.13: no ``fp8`` quantization method. 0.23: its ``fp8`` method is an MXFP8
+      path that keeps only the exponent of each block scale (power-of-two scales), so a
+      generic block-FP8 checkpoint would be served with wrong scales.
+    """
+    try:
+        npu, va = _on_npu()
+    except Exception as exc:  # noqa: BLE001
+        return False, f"vLLM is not importable ({type(exc).__name__}: {exc})"
+    if npu:
+        mm = tuple(int(x) for x in va.split(".")[:2])
+        if mm < (0, 23):
+            return False, f"vLLM-Ascend {va} has no fp8 quantization method"
+        return False, (f"vLLM-Ascend {va}'s fp8 method (AscendW8A8MXFP8DSDynamicLinearMethod) keeps only the "
+                       f"exponent of each 128x128 block scale (MXFP8, power-of-two scales), so a generic block-FP8 "
+                       f"checkpoint cannot be served exactly")
+    vv = _version("vllm")
+    try:
+        from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUFp8BlockScaledMMKernel
+    except Exception:  # noqa: BLE001
+        return False, f"vLLM {vv} has no CPU block-FP8 kernel (CPUFp8BlockScaledMMKernel is in vLLM 0.23)"
+    ok, why = CPUFp8BlockScaledMMKernel.is_supported()
+    if not ok:
+        return False, f"vLLM {vv} refuses CPU block FP8 here: CPUFp8BlockScaledMMKernel {why}"
+    return True, f"vLLM {vv} CPUFp8BlockScaledMMKernel (AMX; FP8 weights, BF16 activations)"

@@ -45,9 +45,19 @@ def process_weights_after_loading(wrapped, args, kwargs):
     state.record_after(before)
     quantized = [r for r in state.records.values() if r.quantized]
     from .config import ConfigError
+    if cfg.is_int4:
+        _ready_int4(state, cfg, quantized)
+        install(model, state)
+        log.info("flashrl: %d W4A16 layers ready for online-quantized reload (group size %d, preset %s)",
+                 len(quantized), state.int4_spec.group_size, state.int4_spec.preset)
+        return result
     if not quantized:
         raise ConfigError(f"ASCEND_RL_FLASHRL selects fn={cfg.fn!r} with model {cfg.model!r}, but the engine "
                           f"loaded no quantized W8A8 linear layer (is the checkpoint compressed-tensors W8A8?)")
+    w4 = sorted(r.name for r in quantized if r.kind != "w8a8")
+    if w4:
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn={cfg.fn!r} (W8A8) but {cfg.model!r} holds W4A16 "
+                          f"(pack-quantized) layers ({len(w4)}, e.g. {w4[0]}); use fn: w4a16")
     want = torch.float8_e4m3fn if cfg.is_fp8 else torch.int8
     wrong = sorted(r.name for r in quantized if r.specs["weight"].dtype != want)
     if wrong:
@@ -84,6 +94,45 @@ def process_weights_after_loading(wrapped, args, kwargs):
              "static per-tensor (input scales kept from the checkpoint)" if static else "dynamic per-token",
              cfg.profile)
     return result
+
+
+def _ready_int4(state, cfg, quantized) -> None:
+    """fn w4a16: check what the engine loaded and fix the online quantizer's Int4Spec (the
+    served group size; the preset flag). Raises ConfigError naming the flag/setting to change."""
+    from . import INT4_GROUP_SIZE, INT4_PRESET
+    from .config import ConfigError
+    from .int4 import GROUP_SIZES, Int4Spec
+    from .reload import _scheme_of, wna16_direct_layout
+    if not quantized:
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn='w4a16' with model {cfg.model!r}, but the engine loaded no "
+                          f"W4A16 linear layer (is the checkpoint compressed-tensors pack-quantized W4A16?)")
+    other = sorted(r.name for r in quantized if r.kind != "w4a16")
+    if other:
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn='w4a16' but {cfg.model!r} holds W8A8 layers "
+                          f"({len(other)}, e.g. {other[0]}); use fn: int8 / fp8_channel for them")
+    groups = {}
+    for r in quantized:
+        scheme = _scheme_of(r.module)
+        g = getattr(scheme, "group_size", None)
+        if getattr(scheme, "pack_factor", None) != 8 or not getattr(scheme, "symmetric", False) \
+                or getattr(scheme, "has_g_idx", False) or g not in GROUP_SIZES:
+            raise ConfigError(f"ASCEND_RL_FLASHRL fn='w4a16': {r.name} is not symmetric group-wise INT4 with a group "
+                              f"size in {GROUP_SIZES} and no activation reordering ({type(scheme).__name__}, "
+                              f"group_size={g}); write the checkpoint with `ascend-rl flashrl quantize --fn w4a16`")
+        why = wna16_direct_layout(r.module)
+        if why is not None:
+            raise ConfigError(f"ASCEND_RL_FLASHRL fn='w4a16': {r.name}: {why}; the online reload is provided for "
+                              f"vLLM's CPUWNA16 W4A16 mode (set VLLM_CPU_INT4_W4A8=0)")
+        groups.setdefault(g, r.name)
+    if len(groups) != 1:
+        raise ConfigError(f"ASCEND_RL_FLASHRL fn='w4a16': the checkpoint mixes group sizes {sorted(groups)}")
+    (group,) = groups
+    want = INT4_GROUP_SIZE.value
+    if want != "auto" and int(want) != group:
+        raise ConfigError(f"{INT4_GROUP_SIZE.name}={want} (the trainer's INT4 group size) but {cfg.model!r} is "
+                          f"quantized with group size {group}: re-quantize it with `ascend-rl flashrl quantize --fn "
+                          f"w4a16 --group-size {want}` or set {INT4_GROUP_SIZE.name}={group}")
+    state.int4_spec = Int4Spec(group_size=group, preset=INT4_PRESET.value)
 
 
 def verl_update_session(wrapped, instance, args, kwargs):
@@ -169,3 +218,24 @@ def ascend_check_layout(scheme: str, instance=None) -> None:
     except Exception:  # noqa: BLE001
         pass
     require_reloadable(w8a8_layout(va_version, scheme, additional_config=additional, is_310p=is_310p), va_version)
+
+
+def ascend_refuse_block_fp8(config) -> None:
+    """vLLM-Ascend 0.23 ``AscendFp8Config.from_config(config)`` with a flashrl quantized rollout:
+    a block-FP8 quantization_config (``weight_block_size``) whose scales are not declared
+    power-of-two (``scale_fmt: ue8m0``) cannot be served exactly (see fp8_support)."""
+    from . import CONFIG, active_config
+    from .config import ConfigError
+    from .fp8_support import ALTERNATIVES
+    if not CONFIG.value.strip():
+        return
+    _, cfg = active_config()
+    if not cfg.is_quantized or not isinstance(config, dict):
+        return
+    block = config.get("weight_block_size")
+    if not block or str(config.get("scale_fmt", "")).lower() == "ue8m0":
+        return
+    raise ConfigError(f"{CONFIG.name}={CONFIG.value}: the served checkpoint is block FP8 (weight_block_size={block}, "
+                      f"scale_fmt={config.get('scale_fmt')!r}); vLLM-Ascend's fp8 method (MXFP8) keeps only the "
+                      f"exponent of each block scale, so these weights would be served wrong. Use instead: "
+                      f"{ALTERNATIVES}.")

@@ -254,6 +254,42 @@ class OnlineQuantizer:
         self._seen.clear()
 
 
+class Int4OnlineQuantizer:
+    """BF16 ``(name, tensor)`` stream in, compressed-tensors W4A16 ``pack-quantized`` stream out
+    (``weight_packed`` int32 ``[out, in/8]``, ``weight_shape`` int64 ``[2]``, ``weight_scale``
+    ``[out, in/G]`` last -- the engine-side reload takes it as "shard done"). The quantizer is
+    :func:`.int4.quantize_pack` with the served checkpoint's :class:`~.int4.Int4Spec`, the same
+    function the offline converter writes the checkpoint with. No smoothing: W4A16 keeps the
+    activations in 16 bits."""
+
+    def __init__(self, spec, is_quantized: Callable[[str, tuple], bool]):
+        self.spec = spec
+        self.is_quantized = is_quantized
+
+    def quantize_linear(self, name: str, weight: torch.Tensor, out=None, scale_out=None):
+        from .int4 import quantize_pack
+        return quantize_pack(weight, self.spec, out_packed=out, out_scale=scale_out)
+
+    def transform(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            yield from self.push(name, tensor)
+
+    def push(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.is_quantized(name, tuple(tensor.shape)):
+            yield name, tensor
+            return
+        packed, scale = self.quantize_linear(name, tensor)
+        base = name[: -len(".weight")]
+        shape = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        yield base + ".weight_packed", packed
+        del packed
+        yield base + ".weight_shape", shape
+        yield base + ".weight_scale", scale
+
+    def flush(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())
+
+
 # -- deriving a profile from a BF16 / W8A8 pair -----------------------------------------
 
 def read_tensors(model_dir: str) -> dict[str, torch.Tensor]:

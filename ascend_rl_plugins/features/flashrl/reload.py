@@ -49,7 +49,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .profile import OnlineQuantizer, Profile, ProfileError
+from .config import INT4_FNS
+from .profile import Int4OnlineQuantizer, OnlineQuantizer, Profile, ProfileError
 
 log = logging.getLogger("ascend_rl_plugins.flashrl")
 
@@ -75,10 +76,11 @@ class ModuleRecord:
     module: torch.nn.Module
     specs: dict[str, ParamSpec]
     rebuild: bool  # post-processing replaced/reshaped parameters: reload through fresh params
-    quantized: bool  # a W8A8 (int8 or fp8) linear: its BF16 weights are quantized online
+    quantized: bool  # a W8A8 (int8 or fp8) or W4A16 linear: its BF16 weights are quantized online
     shards: tuple[str, ...]  # HF leaf names that make up the module (q_proj, k_proj, v_proj ...)
     countable: bool = True  # every checkpoint-layout param has a weight_loader we count calls of
     loads: int = 0  # weight_loader calls into the checkpoint-layout params so far
+    kind: str | None = None  # "w8a8" | "w4a16" (compressed-tensors pack-quantized) | None
 
 
 @dataclass
@@ -97,6 +99,42 @@ class _Pending:
 def _is_quantized_w8a8(module: torch.nn.Module) -> bool:
     w = module._parameters.get("weight")
     return w is not None and w.dtype in QUANTIZED_DTYPES and "weight_scale" in module._parameters
+
+
+def _quant_kind(module: torch.nn.Module) -> str | None:
+    """``"w8a8"`` (int8 / fp8 ``weight`` + ``weight_scale``), ``"w4a16"`` (compressed-tensors
+    pack-quantized: int32 ``weight_packed`` + ``weight_scale``) or None."""
+    if _is_quantized_w8a8(module):
+        return "w8a8"
+    w = module._parameters.get("weight_packed")
+    if w is not None and w.dtype == torch.int32 and "weight_scale" in module._parameters:
+        return "w4a16"
+    return None
+
+
+def _scheme_of(module: torch.nn.Module):
+    """The compressed-tensors scheme of a linear (vLLM 0.23 keeps it on the layer, 0.13 on its
+    quant method)."""
+    scheme = getattr(module, "scheme", None)
+    return scheme if scheme is not None else getattr(getattr(module, "quant_method", None), "scheme", None)
+
+
+def wna16_direct_layout(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot take the direct W4A16 repack (None when it can).
+
+    The direct path covers vLLM's ``CPUWNA16LinearKernel`` in its W4A16 mode (symmetric,
+    no activation reordering, ``use_w4a8`` off): post-processed ``weight_packed`` int32
+    ``[out/16, 2*in]`` and ``weight_scale`` ``[groups, out]``. Anything else (its W4A8 mode
+    on AMX CPUs, other kernels) is re-processed by the kernel itself and copied back."""
+    kernel = getattr(_scheme_of(module), "kernel", None)
+    if type(kernel).__name__ != "CPUWNA16LinearKernel":
+        return f"kernel {type(kernel).__name__} is not vLLM's CPUWNA16LinearKernel"
+    if getattr(module, "use_w4a8", True):
+        return "CPUWNA16 runs its W4A8 mode (VLLM_CPU_INT4_W4A8=1 on an AMX CPU)"
+    cfg = kernel.config
+    if cfg.zero_points or cfg.has_g_idx:
+        return "asymmetric or activation-reordered W4A16"
+    return None
 
 
 
@@ -273,6 +311,7 @@ class ReloadState:
         self.rebuild_all = False  # benchmark baseline: rebuild every layer before processing any
         self.update: _Update | None = None  # the open update session
         self.last_stats: dict[str, Any] = {}
+        self.int4_spec = None  # W4A16: the served checkpoint's Int4Spec (set by the engine-start hook)
         packed = dict(getattr(type(model), "packed_modules_mapping", {}) or {})
         self.shard_to_fused = {s: fused for fused, shards in packed.items() for s in shards}
         self.packed = packed
@@ -287,14 +326,15 @@ class ReloadState:
         before = {}
         for name, module in self.model.named_modules():
             if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase) \
-                    and module._parameters.get("weight") is not None:  # (attention KV-scale methods: no)
+                    and (module._parameters.get("weight") is not None
+                         or module._parameters.get("weight_packed") is not None):  # (KV-scale methods: no)
                 params = {n: p for n, p in module._parameters.items() if p is not None}
                 layout = {n: (tuple(p.shape), p.stride(), p.dtype, p.data_ptr()) for n, p in params.items()}
-                before[name] = (params, layout, _is_quantized_w8a8(module))
+                before[name] = (params, layout, _quant_kind(module))
         return before
 
     def record_after(self, before: dict) -> None:
-        for name, (params, layout, quantized) in before.items():
+        for name, (params, layout, kind) in before.items():
             module = self.model.get_submodule(name)
             now = module._parameters
             kept = all(now.get(n) is p and (tuple(p.shape), p.stride(), p.dtype, p.data_ptr()) == layout[n]
@@ -302,7 +342,8 @@ class ReloadState:
             specs = {n: ParamSpec(p, layout[n][0], layout[n][2], p.device) for n, p in params.items()}
             leaf = name.rsplit(".", 1)[-1]
             shards = tuple(self.packed.get(leaf, [leaf]))
-            rec = ModuleRecord(name, module, specs, rebuild=not kept, quantized=quantized, shards=shards)
+            rec = ModuleRecord(name, module, specs, rebuild=not kept, quantized=kind is not None, shards=shards,
+                               kind=kind)
             self.records[name] = rec
             if not kept:
                 in_use = {id(v) for v in now.values() if v is not None}
@@ -351,10 +392,16 @@ class ReloadState:
                 raise ProfileError(f"FlashRL profile smoothing for {lin} has {v.numel()} entries, the "
                                    f"engine's layer has {k} input channels")
 
-    def quantizer(self) -> OnlineQuantizer:
+    def quantizer(self) -> OnlineQuantizer | Int4OnlineQuantizer:
         def is_quantized(name, shape):
             return len(shape) == 2 and name.endswith(".weight") and (self.module_of(name)[0] or _NO).quantized
-        q = OnlineQuantizer(self.profile, fn=self.fn, is_quantized=is_quantized)
+        if self.fn in INT4_FNS:
+            if self.int4_spec is None:
+                raise ReloadError("flashrl reload: W4A16 reload without an Int4Spec (engine start did not record "
+                                  "the served group size)")
+            q = Int4OnlineQuantizer(self.int4_spec, is_quantized)
+        else:
+            q = OnlineQuantizer(self.profile, fn=self.fn, is_quantized=is_quantized)
         plain, timing = q.quantize_linear, self.timing
 
         def quantize_linear(*args, **kwargs):
@@ -510,6 +557,8 @@ class _Update:
             if keep:
                 if name.endswith(".weight") and tensor.dtype in QUANTIZED_DTYPES:
                     self._q_weight[name] = tensor
+                elif name.endswith(".weight_packed") and tensor.dtype == torch.int32:
+                    self._q_weight[name[: -len("_packed")]] = tensor
                 elif name.endswith(".weight_scale") and name[:-6] in self._q_weight:
                     self.quantized_log[name[:-6]] = (self._q_weight.pop(name[:-6]), tensor)
             p.yielded += 1
@@ -583,7 +632,7 @@ class _Update:
                 fresh.copy_(cur.reshape(-1)[0].expand(spec.shape) if cur.numel() == 1 else cur.reshape(spec.shape))
                 filled.add(n)
             elif cur is not None and tuple(cur.shape) == spec.shape and cur.dtype == spec.dtype \
-                    and cur.is_contiguous():
+                    and cur.is_contiguous() and not (rec.kind == "w4a16" and n in _W4A16_REPACKED):
                 # Same layout before and after post-processing (e.g. a channel weight_scale):
                 # load straight into the engine's storage, so whatever the quant method builds
                 # from it (the CPU oneDNN handler keeps a raw pointer to the scales) points at
@@ -602,6 +651,8 @@ class _Update:
 
     def _close(self, p: _Pending) -> None:
         rec, module = p.record, p.record.module
+        if rec.kind == "w4a16" and wna16_direct_layout(module) is None:
+            return self._close_w4a16(p)
         try:
             missing = sorted(set(rec.specs) - p.filled - p.written)
             if missing:
@@ -641,6 +692,56 @@ class _Update:
             self.swapped.pop(rec.name, None)
         self.closed += 1
 
+    def _close_w4a16(self, p: _Pending) -> None:
+        """W4A16 on vLLM's CPUWNA16 kernel: the staged checkpoint-layout tensors (filled by vLLM's
+        loaders) are written straight into the engine's post-processed storage -- the blocked
+        nibble layout the kernel builds (:func:`._cpu_kernels.wna16_blocked_cpu`, bit moves only)
+        and the transposed scales -- without running the kernel's post-processing, whose
+        unpacked int32 copy of the layer is 2x the BF16 tensor (and ~20x its copy time)."""
+        rec, module = p.record, p.record.module
+        t0 = time.perf_counter()
+        try:
+            missing = sorted(set(rec.specs) - p.filled - p.written)
+            if missing:
+                raise ReloadError(f"flashrl reload: {rec.name}: the update did not provide {missing}")
+            if rec.countable and rec.loads - p.loads_at_open < p.yielded:
+                raise ReloadError(f"flashrl reload: {rec.name}: {p.yielded} tensors were handed to the model's "
+                                  f"load_weights but its loaders ran {rec.loads - p.loads_at_open} times")
+            staged_w = rec.specs["weight_packed"].param.data
+            staged_s = rec.specs["weight_scale"].param.data
+            live_w = p.live["weight_packed"][1]
+            live_s = p.live["weight_scale"][1]
+            out, words = staged_w.shape
+            want_w = (out // 16, 2 * words * 8)
+            if (tuple(live_w.shape) != want_w or live_w.dtype != torch.int32 or not live_w.is_contiguous()
+                    or out % 16 or tuple(live_s.shape) != tuple(staged_s.shape[::-1])
+                    or live_s.dtype != staged_s.dtype):
+                raise ReloadError(f"flashrl reload: {rec.name}: the engine's W4A16 tensors "
+                                  f"({_desc(live_w)}, {_desc(live_s)}) are not CPUWNA16's layout of "
+                                  f"({_desc(staged_w)}, {_desc(staged_s)})")
+            if not staged_w.is_contiguous():
+                staged_w = staged_w.contiguous()
+            from ._cpu_kernels import wna16_blocked_cpu
+            wna16_blocked_cpu(staged_w, live_w)
+            live_s.copy_(staged_s.t())
+        except BaseException:
+            self._abort(p)
+            raise
+        finally:
+            t = self.state.timing
+            t["postprocess_quantized_s"] = t.get("postprocess_quantized_s", 0.0) + time.perf_counter() - t0
+        for n, (obj, data) in p.live.items():
+            if obj is not None and data is not None:
+                obj.data = data
+            module._parameters[n] = obj
+        for n, spec in rec.specs.items():
+            if all(spec.param is not obj for obj, _ in p.live.values()):
+                spec.param.data = torch.empty(0, dtype=spec.dtype, device=spec.device)
+                if n not in p.live:
+                    module._parameters.pop(n, None)
+        self.swapped.pop(rec.name, None)
+        self.closed += 1
+
     def _abort(self, p: _Pending) -> None:
         module = p.record.module
         for n, copy in p.saved.items():
@@ -665,6 +766,7 @@ _NO = _No()
 
 
 _CALIBRATION = ("input_scale", "input_zero_point", "input_offset")
+_W4A16_REPACKED = ("weight_packed", "weight_scale")  # post-processed into another layout
 
 
 def _transplant(layer: str, name: str, old, fresh) -> None:

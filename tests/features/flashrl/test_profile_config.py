@@ -250,3 +250,18 @@ def test_cli_fp8(pair, tmp_path, _cli):
     assert c.fn == "fp8_channel" and c.is_fp8 and c.is_quantized and not c.is_int8
     r = _cli("setup", "--fn", "fp8_vllm", "-o", str(tmp_path / "d.yaml"))
     assert r.returncode == 2 and "profile-free FP8" in r.stderr
+
+
+def test_setup_writes_w4a16_and_block_fp8_configs(tmp_path, _cli):
+    """`flashrl setup` accepts every rollout function the config knows, the new INT4 and
+    block-FP8 ones included (their engine-start checks run later, in the engine)."""
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for fn in ("w4a16", "fp8_block"):
+        out = str(tmp_path / f"{fn}.yaml")
+        r = _cli("setup", "-m", str(model), "--fn", fn, "-o", out)
+        assert r.returncode == 0, r.stderr
+        assert [c.fn for c in config.load_configs(out)] == [fn]
+    r = _cli("setup", "--fn", "w4a16", "-o", str(tmp_path / "none.yaml"))
+    assert r.returncode == 2 and "-m/--model" in r.stderr

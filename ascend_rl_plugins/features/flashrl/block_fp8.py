@@ -1,0 +1,106 @@
+"""Block-wise FP8 (E4M3) weight quantization: 128x128 blocks, one float32 scale per block.
+
+This is the layout DeepSeek-V3-style FP8 checkpoints use and vLLM's ``Fp8Config`` reads
+when ``quantization_config`` has ``weight_block_size: [128, 128]`` (slime's "FP8 rollout"
+converter writes it): ``weight`` ``float8_e4m3fn [out, in]`` and ``weight_scale_inv``
+``float32 [ceil(out/128), ceil(in/128)]``. Despite its name ``weight_scale_inv`` is the
+*dequantization* scale (``w ~ weight * weight_scale_inv`` per block). compressed-tensors'
+``FP8_BLOCK`` preset stores the same tensor as ``weight_scale`` (block strategy,
+``block_structure [128, 128]``). Edge blocks (``out`` or ``in`` not a multiple of 128)
+are partial: their scale covers only the elements that exist.
+
+Formula (float32 throughout, one rounding to E4M3 at the end)::
+
+    scale[i, j] = float32(amax |w[block i, j]|) / 448         (a zero scale -> float32 eps)
+    q           = float8_e4m3fn(clamp(float32(w) / scale, -448, 448) + 0)   (nearest even)
+
+(``+ 0`` turns ``-0.0`` into ``+0.0``, as compressed-tensors' zero point does.) slime's
+/ DeepGEMM's formula multiplies by ``1 / scale`` and clamps the amax at 1e-4 instead;
+the division is used here so the codes are compressed-tensors', and the scale the
+engine multiplies back is exactly the stored one.
+
+On CPU a numba kernel (``_int4_kernels.block_fp8_cpu``) does two passes per
+block with no full-size temporaries; the blocked torch path is bit-identical (tested).
+"""
+
+from __future__ import annotations
+
+BLOCK = (128, 128)
+FP8_MAX = 448.0
+DEFAULT_BLOCK_BYTES = 16 << 20
+_F32_EPS = 2.0 ** -23
+
+
+def _check(weight, block):
+    if weight.dim() != 2:
+        raise ValueError(f"block FP8 expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"block FP8 expects a floating-point weight, got {weight.dtype}")
+    bn, bk = (int(b) for b in block)
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"block must be two positive sizes, got {block}")
+    n, k = weight.shape
+    return n, k, bn, bk, -(-n // bn), -(-k // bk)
+
+
+def _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv):
+    import torch
+    if out_weight is None:
+        out_weight = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=weight.device)
+    elif tuple(out_weight.shape) != (n, k) or out_weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"out_weight must be float8_e4m3fn {(n, k)}, got {out_weight.dtype} "
+                         f"{tuple(out_weight.shape)}")
+    if out_scale_inv is None:
+        out_scale_inv = torch.empty((nb, kb), dtype=torch.float32, device=weight.device)
+    elif tuple(out_scale_inv.shape) != (nb, kb) or out_scale_inv.dtype != torch.float32:
+        raise ValueError(f"out_scale_inv must be float32 {(nb, kb)}, got {out_scale_inv.dtype} "
+                         f"{tuple(out_scale_inv.shape)}")
+    return out_weight, out_scale_inv
+
+
+def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None):
+    """``(float8_e4m3fn [out, in], scale_inv float32 [ceil(out/bn), ceil(in/bk)])``.
+    ``out_*`` are written in place when given. CPU -> numba kernel; otherwise torch."""
+    import torch
+    n, k, bn, bk, nb, kb = _check(weight, block)
+    if (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
+            and all(o is None or (o.device.type == "cpu" and o.is_contiguous()) for o in (out_weight, out_scale_inv))):
+        from . import _int4_kernels
+        out_weight, out_scale_inv = _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv)
+        return _int4_kernels.block_fp8_cpu(weight, bn, bk, out_weight, out_scale_inv)
+    return quantize_torch(weight, block, out_weight=out_weight, out_scale_inv=out_scale_inv)
+
+
+def quantize_torch(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None,
+                   block_bytes: int = DEFAULT_BLOCK_BYTES):
+    """Device-agnostic torch implementation of :func:`quantize`: a few rows of blocks at a
+    time (about ``block_bytes`` of float32 -- per-op overhead dominates below a few MiB),
+    so the extra memory stays bounded whatever the size of the weight."""
+    import torch
+    n, k, bn, bk, nb, kb = _check(weight, block)
+    out_weight, out_scale_inv = _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv)
+    step = max(1, block_bytes // (4 * kb * bk * bn))  # rows of blocks per step
+    with torch.no_grad():
+        for i0 in range(0, nb, step):
+            i1 = min(nb, i0 + step)
+            r0, r1 = i0 * bn, min(n, i1 * bn)
+            strip = weight[r0:r1].to(torch.float32, copy=True)  # never the input itself
+            if (r1 - r0) % bn or k % bk:  # zero padding to whole blocks (no block's amax changes)
+                strip = torch.nn.functional.pad(strip, (0, kb * bk - k, 0, (i1 - i0) * bn - (r1 - r0)))
+            blocks = strip.view(i1 - i0, bn, kb, bk)
+            s = blocks.abs().amax(dim=3).amax(dim=1).div_(FP8_MAX)  # [rows of blocks, kb]
+            s = torch.where(s == 0, torch.full_like(s, _F32_EPS), s)
+            out_scale_inv[i0:i1].copy_(s)
+            q = blocks.div_(s.view(i1 - i0, 1, kb, 1)).clamp_(-FP8_MAX, FP8_MAX).add_(0.0)
+            out_weight[r0:r1].copy_(q.view((i1 - i0) * bn, kb * bk)[: r1 - r0, :k])
+    return out_weight, out_scale_inv
+
+
+def dequantize(weight_fp8, scale_inv, block=BLOCK, dtype=None):
+    """``weight * scale_inv`` per block (float32 product), cast to ``dtype`` (bf16 default)."""
+    import torch
+    dtype = torch.bfloat16 if dtype is None else dtype
+    n, k = weight_fp8.shape
+    bn, bk = (int(b) for b in block)
+    s = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return (weight_fp8.float() * s).to(dtype)

@@ -1,0 +1,314 @@
+"""Group-wise symmetric INT4 weight quantization (W4A16) for rollout and QAT.
+
+Why this module exists: slime's trainer fake-quant (float32 scale ``amax / 7``, divide)
+and its rollout quantizer (``amax * (1/7)`` stored in bf16, multiply) do not produce the
+same INT4 weights, so the policy that is trained is not the policy that is rolled out.
+Here there is ONE quantizer, and it always computes the *stored* scale first and the
+codes from that stored scale, so ``codes * scale`` (what the rollout kernel multiplies
+back) is reproducible anywhere, and :func:`fake_quantize` (the QAT forward weight) is
+bit-equal to what the engine dequantizes.
+
+Presets (``Int4Spec.preset``):
+
+``"ct"`` -- bit-identical to compressed-tensors' W4A16 preset (int4, symmetric, group
+    strategy), i.e. what ``llm-compressor`` writes and vLLM's ``CompressedTensorsWNA16``
+    reads::
+
+        amax[r, g]  = max |w[r, g*G:(g+1)*G]|                  (in the weight dtype: exact)
+        scale[r, g] = dtype(amax / 7.5)                         (stored in the weight dtype)
+        scale       = finfo(dtype).eps where scale == 0         (as compressed-tensors 0.17)
+        code        = clamp(round_half_even(dtype(w / scale)), -8, 7)
+
+    i.e. the quotient is rounded to the model dtype (bf16/fp16) *before* rounding to an
+    integer, exactly like compressed-tensors' ``x / scale`` on bf16 tensors. The only
+    difference from compressed-tensors 0.12 (the copy vLLM 0.13 pins) is the zero/tiny
+    scale floor: 0.12 clamps every scale to at least float32 eps (2**-23), 0.17 (the copy
+    vLLM 0.23 pins; followed here) only replaces an exact zero by the eps of the scale
+    dtype. They differ only for groups whose |max| is below 7.5 * 2**-23 ~ 9e-7 (every
+    weight of the group that small); for an all-zero group both give zero codes (the stored
+    scale differs, the dequantized weights do not).
+
+``"slime"`` -- slime's INT4 formulas (``OPEN_TRAINING_INT4_*``) made self-consistent::
+
+        scale = bfloat16(float32(amax) / 7)                       (slime's rollout stores bf16)
+        code  = clamp(round_half_even(float32(w) / float32(scale)), -7, 7)
+
+Layout (both presets): codes ``int8 [out, in]``; scales ``[out, in / G]``; packed
+``int32 [out, in / 8]`` in compressed-tensors' ``pack-quantized`` layout (``weight_packed``):
+each code is offset by +8 to an unsigned nibble and 8 consecutive input columns go into
+one int32, column ``8j + i`` at bits ``4i .. 4i+3`` (least significant first, packed along
+the input dimension). Leading dimensions (MoE ``[experts, out, in]``) are kept.
+
+On CPU, bf16/float32 weights go through fused numba kernels (:mod:`._int4_kernels`):
+one pass per group, no full-size temporaries; the torch path (any device, any float
+dtype; fp16 always takes it) is bit-identical to them (tested). Weights are assumed
+finite. ``torch`` is imported lazily so importing the
+feature stays cheap.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+PRESETS = ("ct", "slime")
+GROUP_SIZES = (32, 64, 128)
+PACK_FACTOR = 8  # int4 codes per int32
+NUM_BITS = 4
+DEFAULT_BLOCK_BYTES = 16 << 20  # torch path: float32 working set per block of rows
+
+
+@dataclass(frozen=True)
+class Int4Spec:
+    """How to quantize: ``group_size`` input columns share one scale; ``preset`` picks the
+    formula (see the module docstring)."""
+
+    group_size: int = 128
+    preset: str = "ct"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"Int4Spec.preset must be one of {PRESETS}, got {self.preset!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise ValueError(f"Int4Spec.group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+
+    @property
+    def qmin(self) -> int:
+        return -8 if self.preset == "ct" else -7
+
+    @property
+    def qmax(self) -> int:
+        return 7
+
+    @property
+    def divisor(self) -> float:
+        """amax / divisor = scale: compressed-tensors uses half the int4 range (7.5), slime 7."""
+        return 7.5 if self.preset == "ct" else 7.0
+
+    def scale_dtype(self, weight_dtype):
+        """dtype of the stored scale: the model dtype for ``ct`` (compressed-tensors keeps the
+        scale in the weight's dtype), bf16 for ``slime`` (what slime's rollout stores)."""
+        import torch
+        return weight_dtype if self.preset == "ct" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class _Shape:
+    lead: tuple
+    rows: int
+    cols: int
+    groups: int
+
+
+def _check(weight, spec: Int4Spec) -> _Shape:
+    if not isinstance(spec, Int4Spec):
+        raise TypeError(f"spec must be an Int4Spec, got {type(spec).__name__}")
+    if weight.dim() < 2:
+        raise ValueError(f"INT4 quantization expects a [..., out, in] weight, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"INT4 quantization expects a floating-point weight, got {weight.dtype}")
+    cols = weight.shape[-1]
+    if cols % spec.group_size:
+        raise ValueError(f"the input dimension ({cols}) must be a multiple of group_size={spec.group_size}")
+    rows = weight.numel() // cols if cols else 0
+    return _Shape(tuple(weight.shape[:-1]), rows, cols, cols // spec.group_size)
+
+
+def _prepare_out(out, shape, dtype, name):
+    if out is None:
+        return None
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _use_kernel(weight, *outs) -> bool:
+    import torch
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    return all(o is None or (o.device.type == "cpu" and o.is_contiguous()) for o in outs)
+
+
+# ---------------------------------------------------------------- torch path (reference)
+
+def _scales_torch(w2, spec: Int4Spec, groups: int):
+    """Scales of a 2-D ``[rows, cols]`` weight, in the stored dtype (see module docstring)."""
+    import torch
+    g = w2.reshape(w2.shape[0], groups, spec.group_size)
+    if spec.preset == "ct":
+        amax = g.abs().amax(dim=-1)  # exact in the weight dtype
+        s = amax / spec.divisor  # rounded once to the weight dtype (torch divides in float32)
+    else:
+        amax = g.float().abs().amax(dim=-1)
+        s = (amax / spec.divisor).to(torch.bfloat16)
+    return torch.where(s == 0, torch.full_like(s, torch.finfo(s.dtype).eps), s)
+
+
+def _codes_torch(w2, s2, spec: Int4Spec, groups: int):
+    """int8 codes of a 2-D block from its stored scales (float codes, not yet cast)."""
+    g = w2.reshape(w2.shape[0], groups, spec.group_size)
+    if spec.preset == "ct":
+        q = g / s2.unsqueeze(-1)  # quotient rounded to the weight dtype, as compressed-tensors
+    else:
+        q = g.float() / s2.float().unsqueeze(-1)
+    return q.round_().clamp_(spec.qmin, spec.qmax).reshape(w2.shape[0], -1)
+
+
+def _blocks(rows: int, cols: int, block_bytes: int):
+    step = max(1, block_bytes // max(1, 4 * cols))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def quantize_torch(weight, spec: Int4Spec, *, out_codes=None, out_scale=None,
+                   block_bytes: int = DEFAULT_BLOCK_BYTES):
+    """Device-agnostic torch implementation of :func:`quantize` (row blocks of about
+    ``block_bytes`` of float32, so the extra memory stays bounded)."""
+    import torch
+    sh = _check(weight, spec)
+    w2 = weight.detach().reshape(sh.rows, sh.cols)
+    sdt = spec.scale_dtype(weight.dtype)
+    codes = out_codes if out_codes is not None else torch.empty(weight.shape, dtype=torch.int8,
+                                                                 device=weight.device)
+    scale = out_scale if out_scale is not None else torch.empty(sh.lead + (sh.groups,), dtype=sdt,
+                                                                device=weight.device)
+    _prepare_out(codes, weight.shape, torch.int8, "out_codes")
+    _prepare_out(scale, sh.lead + (sh.groups,), sdt, "out_scale")
+    c2 = codes.view(sh.rows, sh.cols)
+    s2 = scale.view(sh.rows, sh.groups)
+    with torch.no_grad():
+        for r0, r1 in _blocks(sh.rows, sh.cols, block_bytes):
+            s = _scales_torch(w2[r0:r1], spec, sh.groups)
+            s2[r0:r1].copy_(s)
+            c2[r0:r1].copy_(_codes_torch(w2[r0:r1], s, spec, sh.groups))
+    return codes, scale
+
+
+# ---------------------------------------------------------------- public API
+
+def scales(weight, spec: Int4Spec):
+    """The stored per-group scales ``[..., out, in / G]``.
+
+    dtype: ``ct`` -> ``weight.dtype`` (the model dtype, as compressed-tensors stores
+    ``weight_scale``); ``slime`` -> bf16 (what slime's rollout stores). Zero scales are
+    replaced by the eps of that dtype (codes of such a group are all zero anyway).
+    """
+    import torch
+    sh = _check(weight, spec)
+    with torch.no_grad():
+        s = _scales_torch(weight.detach().reshape(sh.rows, sh.cols), spec, sh.groups)
+    return s.reshape(sh.lead + (sh.groups,))
+
+
+def quantize(weight, spec: Int4Spec, *, out_codes=None, out_scale=None):
+    """``(codes int8 [..., out, in], scale [..., out, in / G])``; codes are computed from
+    the STORED scale. ``out_codes`` / ``out_scale`` are written in place when given (e.g.
+    a parameter's storage). CPU bf16/float32 -> fused numba kernel; otherwise torch."""
+    if _use_kernel(weight, out_codes, out_scale):
+        from . import _int4_kernels
+        return _int4_kernels.quantize_cpu(weight, spec, out_codes=out_codes, out_scale=out_scale)
+    return quantize_torch(weight, spec, out_codes=out_codes, out_scale=out_scale)
+
+
+def pack(codes):
+    """int8 codes ``[..., in]`` -> int32 ``[..., ceil(in / 8)]`` (compressed-tensors
+    ``pack_to_int32(codes, 4)``: offset +8, 8 nibbles per int32, least significant first;
+    a partial last word is padded with zero nibbles).
+
+    The nibbles are laid out as bytes, 8 per int64 (little endian), and folded in three
+    shift/or/mask steps (bytes -> nibble pairs -> 16 bits -> 32 bits): three whole-tensor
+    ops on an eighth of the elements instead of eight strided ones."""
+    import torch
+    if codes.dtype != torch.int8:
+        raise ValueError(f"pack expects int8 codes, got {codes.dtype}")
+    if sys.byteorder != "little":  # pragma: no cover
+        raise RuntimeError("pack assumes a little-endian host")
+    cols = codes.shape[-1]
+    words = -(-cols // PACK_FACTOR)
+    nib = ((codes + 8) & 0xF).view(torch.uint8)
+    if words * PACK_FACTOR != cols:
+        nib = torch.nn.functional.pad(nib, (0, words * PACK_FACTOR - cols))
+    if nib.numel() == 0:
+        return torch.zeros(codes.shape[:-1] + (words,), dtype=torch.int32, device=codes.device)
+    x = nib.contiguous().view(torch.int64)  # [..., words]; every value < 2**60: shifts stay positive
+    x = (x | (x >> 4)) & 0x00FF00FF00FF00FF
+    x = (x | (x >> 8)) & 0x0000FFFF0000FFFF
+    x = (x | (x >> 16)) & 0xFFFFFFFF
+    x = torch.where(x >= 2 ** 31, x - 2 ** 32, x)  # the int32 with these bits
+    return x.to(torch.int32).reshape(codes.shape[:-1] + (words,))
+
+
+def unpack(packed, in_features: int):
+    """int32 ``[..., words]`` -> int8 codes ``[..., in_features]`` (inverse of :func:`pack`)."""
+    import torch
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack expects int32, got {packed.dtype}")
+    if not 0 <= in_features <= packed.shape[-1] * PACK_FACTOR:
+        raise ValueError(f"in_features={in_features} does not fit in {packed.shape[-1]} int32 words")
+    shifts = torch.arange(0, 32, NUM_BITS, dtype=torch.int32, device=packed.device)
+    nib = (packed.unsqueeze(-1) >> shifts) & 0xF
+    codes = (nib - 8).to(torch.int8).reshape(packed.shape[:-1] + (packed.shape[-1] * PACK_FACTOR,))
+    return codes[..., :in_features]
+
+
+def dequantize(codes, scale, spec: Int4Spec):
+    """``codes * scale`` in the scale's dtype (what the rollout kernel multiplies back; the
+    same operation as compressed-tensors' ``_dequantize``: ``codes.to(scale.dtype) * scale``)."""
+    g = spec.group_size
+    cols = codes.shape[-1]
+    if cols != scale.shape[-1] * g:
+        raise ValueError(f"codes have {cols} columns but scale covers {scale.shape[-1]} groups of {g}")
+    q = codes.to(scale.dtype).reshape(codes.shape[:-1] + (cols // g, g))
+    return (q * scale.unsqueeze(-1)).reshape(codes.shape)
+
+
+def fake_quantize(weight, spec: Int4Spec):
+    """``dequantize(*quantize(weight))`` in ``weight.dtype``: the QAT forward weight,
+    bit-equal to what the engine dequantizes from the packed checkpoint. No autograd graph
+    is built (wrap it in a straight-through estimator: ``w + (fake_quantize(w) - w).detach()``)."""
+    w = weight.detach()
+    if _use_kernel(w):
+        from . import _int4_kernels
+        return _int4_kernels.fake_quantize_cpu(w, spec)
+    return fake_quantize_torch(w, spec)
+
+
+def fake_quantize_torch(weight, spec: Int4Spec):
+    """Torch implementation of :func:`fake_quantize` (any device, any float dtype)."""
+    import torch
+    with torch.no_grad():
+        codes, scale = quantize_torch(weight.detach(), spec)
+        return dequantize(codes, scale, spec).to(weight.dtype)
+
+
+def quantize_pack(weight, spec: Int4Spec, *, out_packed=None, out_scale=None):
+    """``(packed int32 [..., out, in / 8], scale [..., out, in / G])`` -- bit-identical to
+    ``pack(quantize(weight, spec)[0])`` -- the fused fast path used by reload (numba kernel
+    on CPU for bf16/float32; torch elsewhere). ``out_*`` are written in place when given."""
+    if _use_kernel(weight, out_packed, out_scale):
+        from . import _int4_kernels
+        return _int4_kernels.quantize_pack_cpu(weight, spec, out_packed=out_packed, out_scale=out_scale)
+    return quantize_pack_torch(weight, spec, out_packed=out_packed, out_scale=out_scale)
+
+
+def quantize_pack_torch(weight, spec: Int4Spec, *, out_packed=None, out_scale=None,
+                        block_bytes: int = DEFAULT_BLOCK_BYTES):
+    """Torch implementation of :func:`quantize_pack` (row blocks; any device)."""
+    import torch
+    sh = _check(weight, spec)
+    sdt = spec.scale_dtype(weight.dtype)
+    words = sh.cols // PACK_FACTOR
+    packed = out_packed if out_packed is not None else torch.empty(sh.lead + (words,), dtype=torch.int32,
+                                                                   device=weight.device)
+    scale = out_scale if out_scale is not None else torch.empty(sh.lead + (sh.groups,), dtype=sdt,
+                                                                device=weight.device)
+    _prepare_out(packed, sh.lead + (words,), torch.int32, "out_packed")
+    _prepare_out(scale, sh.lead + (sh.groups,), sdt, "out_scale")
+    w2 = weight.detach().reshape(sh.rows, sh.cols)
+    p2 = packed.view(sh.rows, words)
+    s2 = scale.view(sh.rows, sh.groups)
+    with torch.no_grad():
+        for r0, r1 in _blocks(sh.rows, sh.cols, block_bytes):
+            s = _scales_torch(w2[r0:r1], spec, sh.groups)
+            s2[r0:r1].copy_(s)
+            p2[r0:r1].copy_(pack(_codes_torch(w2[r0:r1], s, spec, sh.groups).to(torch.int8)))
+    return packed, scale

@@ -1,0 +1,205 @@
+"""Cost model of one training micro-batch under context parallelism (CP) or hybrid data
+parallelism inside the CP group (HDP).
+
+Why a model at all: the seed's HDP grouping (verl patches 0010/0015) counts tokens only, so it
+cannot see that attention is quadratic, that ring-attention communication is hidden behind
+attention compute once a rank's chunk is long enough, or that every extra micro-batch costs a
+fixed overhead. Deciding whether a micro-batch runs faster as plain CP or as regrouped ranks
+needs all of those, in seconds, on the user's hardware. The planner (``planner.py``) asks this
+model only for per-sequence per-rank times, so a better calibration improves every plan
+without touching the planner.
+
+The model, per sequence of ``L`` tokens run on a group of ``g`` ranks at tensor parallel
+size ``tp`` (everything is per rank, for the layers one pipeline stage holds, forward plus
+backward):
+
+- padding: the sequence is padded to a multiple of ``2*g*tp`` when ``g > 1`` (Megatron's
+  load-balanced CP split into ``2*g`` chunks, each divisible by ``tp`` for sequence
+  parallelism; this is verl's ``align_size``) and of ``tp`` when ``g == 1``. ``P`` is the
+  padded length and ``n = P / g`` the tokens this rank computes;
+- linear work (projections, MLP/MoE, norms): ``linear_per_token * n``;
+- attention: causal, load balanced, so each rank computes ``P**2 / (2*g)`` query-key pairs,
+  ``attention_per_token_pair`` seconds each;
+- ring communication (``g > 1``): ``g - 1`` steps; each sends the rank's chunk of K/V
+  (``kv_bytes_per_token * n`` bytes over ``link_bytes_per_s``, plus ``ring_step_latency``)
+  while the previous step's attention (``1/g`` of the rank's pairs) runs; only the part of a
+  step's transfer longer than that compute is exposed;
+- ``per_micro_batch_overhead``: fixed cost of every micro-batch (kernel launches, pipeline
+  fill/drain share, synchronization).
+
+Sequences packed into one group run one after another on every rank of the group, so a
+group's time is the sum of its sequences' times (``group_time``) and a micro-batch takes as
+long as its slowest group plus the overhead.
+
+No torch here: the planner must run anywhere (it is pure numpy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_cost_model.json")
+
+_NUMERIC_FIELDS = ("linear_per_token", "attention_per_token_pair", "kv_bytes_per_token",
+                   "link_bytes_per_s", "ring_step_latency", "per_micro_batch_overhead")
+
+
+def pad_multiple(group_size: int, tp: int) -> int:
+    """What a sequence is padded to on a group of ``group_size`` ranks: verl's ``align_size``
+    (``2*cp*tp`` under CP, ``tp`` without), so that Megatron can cut it into ``2*g`` equal
+    chunks that tensor/sequence parallelism splits again by ``tp``."""
+    return 2 * group_size * tp if group_size > 1 else tp
+
+
+def padded_length(length, group_size: int, tp: int):
+    """``length`` rounded up to :func:`pad_multiple` (works on ints and integer arrays)."""
+    m = pad_multiple(group_size, tp)
+    return -(-length // m) * m
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per rank for the layers of one pipeline stage, forward plus backward.
+
+    See the module docstring for the formula. Construct with :meth:`load` (a calibrated JSON)
+    or :meth:`from_architecture` (first-principles numbers: an uncalibrated starting point).
+    """
+
+    linear_per_token: float  # s per token a rank computes (all non-attention work)
+    attention_per_token_pair: float  # s per causal query-key pair a rank computes
+    kv_bytes_per_token: float  # bytes one ring step moves per token of the rank's chunk
+    link_bytes_per_s: float  # point-to-point bandwidth of one ring step
+    ring_step_latency: float = 0.0  # s of fixed cost per ring step (all layers)
+    per_micro_batch_overhead: float = 0.0  # s per micro-batch
+    comment: str = ""
+
+    def __post_init__(self) -> None:
+        for name in _NUMERIC_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"CostModel.{name}={value!r}: expected a finite number "
+                                 f"(accepted: a float >= 0; link_bytes_per_s > 0)")
+            object.__setattr__(self, name, float(value))
+            if value < 0 or (name == "link_bytes_per_s" and value <= 0):
+                raise ValueError(f"CostModel.{name}={value!r}: expected a float >= 0 "
+                                 f"(link_bytes_per_s must be > 0)")
+        if not isinstance(self.comment, str):
+            raise ValueError(f"CostModel.comment={self.comment!r}: expected a string")
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        """Build from a mapping; unknown or missing fields are a ``ValueError`` naming them."""
+        if not isinstance(data, dict):
+            raise ValueError(f"cost model: expected a JSON object with fields "
+                             f"{', '.join(_NUMERIC_FIELDS)} (and optional 'comment'), "
+                             f"got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise ValueError(f"cost model: unknown field(s) {extra}; accepted fields: "
+                             f"{sorted(known)}")
+        missing = [n for n in ("linear_per_token", "attention_per_token_pair",
+                               "kv_bytes_per_token", "link_bytes_per_s") if n not in data]
+        if missing:
+            raise ValueError(f"cost model: missing field(s) {missing}; required: "
+                             f"linear_per_token, attention_per_token_pair, kv_bytes_per_token, "
+                             f"link_bytes_per_s")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | None = None) -> "CostModel":
+        """Read a calibrated model from ``path`` (``None``: the shipped, uncalibrated default).
+
+        A file that is not JSON, or has unknown, missing or invalid fields, is a ``ValueError``
+        that names the file, the field and what is accepted."""
+        path = DEFAULT_PATH if path is None else os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cost model {path}: not valid JSON ({exc})") from None
+        except OSError as exc:
+            raise ValueError(f"cost model {path}: cannot read it ({exc.strerror})") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"cost model {path}: {exc}") from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_architecture(cls, *, active_params: float, num_layers: int, num_q_heads: int,
+                          qk_head_dim: int, v_head_dim: int, num_kv_heads: int, tp: int,
+                          pp: int, matmul_flops_per_s: float, attention_flops_per_s: float,
+                          link_bytes_per_s: float, step_latency_per_layer: float,
+                          per_micro_batch_overhead: float, bytes_per_element: int = 2,
+                          comment: str = "") -> "CostModel":
+        """First-principles numbers for a model and a device (uncalibrated: efficiencies are
+        guesses). Assumptions, all per rank of one pipeline stage:
+
+        - linear: 6 FLOPs per active parameter per token (2 forward, 4 backward), split over
+          ``tp * pp`` ranks;
+        - attention: forward ``2*(qk_head_dim + v_head_dim)`` FLOPs per head per query-key
+          pair (QK^T and PV), backward 2.5x forward (flash-attention recomputes scores);
+        - ring: forward sends K and V of the chunk; backward sends K, V and dK, dV: 3x the
+          forward bytes. Two rings (forward, backward) pay the step latency per layer.
+          For MLA in training K/V are materialized per head, so pass ``num_kv_heads =
+          num_q_heads`` and the full K (nope + rope) dim as ``qk_head_dim``.
+        """
+        layers = num_layers / pp
+        linear = 6.0 * active_params / (tp * pp) / matmul_flops_per_s
+        pair_flops = 2.0 * (qk_head_dim + v_head_dim) * num_q_heads / tp * 3.5 * layers
+        kv_bytes = (num_kv_heads * (qk_head_dim + v_head_dim) / tp * bytes_per_element
+                    * 3.0 * layers)
+        return cls(linear_per_token=linear,
+                   attention_per_token_pair=pair_flops / attention_flops_per_s,
+                   kv_bytes_per_token=kv_bytes, link_bytes_per_s=link_bytes_per_s,
+                   ring_step_latency=2.0 * step_latency_per_layer * layers,
+                   per_micro_batch_overhead=per_micro_batch_overhead, comment=comment)
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def sequence_times(self, lengths, group_size: int, *, tp: int, with_comm: bool = True
+                       ) -> np.ndarray:
+        """Per-rank seconds of each sequence of ``lengths`` run on ``group_size`` ranks
+        (vectorized; float64). ``with_comm=False`` leaves out ring communication (used for
+        lower bounds)."""
+        g = int(group_size)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        p = padded_length(lengths, g, tp).astype(np.float64)
+        n = p / g
+        attention = self.attention_per_token_pair * (p * p) / (2.0 * g)
+        t = self.linear_per_token * n + attention
+        if g > 1 and with_comm:
+            step_comm = self.ring_step_latency + self.kv_bytes_per_token * n / self.link_bytes_per_s
+            t = t + (g - 1) * np.maximum(0.0, step_comm - attention / g)
+        return t
+
+    def sequence_time(self, length: int, group_size: int, *, tp: int) -> float:
+        """Per-rank seconds of one sequence on ``group_size`` ranks."""
+        return float(self.sequence_times([length], group_size, tp=tp)[0])
+
+    def group_time(self, lengths_in_group: Sequence[int], group_size: int, *, tp: int) -> float:
+        """Per-rank seconds of a group of ``group_size`` ranks running ``lengths_in_group``
+        (packed, one after another): the sum of its sequences' times. Overhead excluded."""
+        if group_size < 1:
+            raise ValueError(f"group_size={group_size!r}: expected an integer >= 1")
+        if len(lengths_in_group) == 0:
+            return 0.0
+        return float(self.sequence_times(lengths_in_group, group_size, tp=tp).sum())
+
+    def micro_batch_time(self, groups: Sequence[tuple[Sequence[int], int]], *, tp: int) -> float:
+        """Seconds of one micro-batch: its slowest group (``(lengths, group_size)`` pairs)
+        plus the per-micro-batch overhead."""
+        slowest = max((self.group_time(ls, g, tp=tp) for ls, g in groups), default=0.0)
+        return slowest + self.per_micro_batch_overhead

@@ -1,0 +1,150 @@
+"""MoE expert reshard: every expert slice moves once, straight to the rollout rank that needs it.
+
+Stock verl 0.6.1 syncs Megatron-Core expert weights to vLLM by all-gathering every expert over
+the expert-parallel group (after a pipeline broadcast), so every rank receives every expert and
+vLLM's loader then throws most of them away. This feature plans, from the training layout and
+each rollout rank's expert map, which training rank sends which expert rows to which rollout
+rank (``planner.py``), and moves them with uneven all-to-alls in bounded rounds
+(``executor.py``). The dense part of the model keeps verl's own path.
+
+Hooks (README.md beside this file has the details and what each covers):
+
+- verl 0.6.1 ``per_tensor_generator`` (and the copies other verl modules made with
+  ``from ... import``, rebound by the framework): dense tensors from verl's own generator over a
+  dense-only view of the model, experts from the reshard (``hooks_verl06.py``).
+- verl 0.6.1 ``vLLMRollout.update_weights`` / ``vLLMAsyncRollout.update_weights``: tells the
+  generator which vLLM model it feeds (expert maps, rollout rank, pre-narrowed loading) and
+  re-runs vLLM's post-load processing after ``load_weights`` (the recipe's verl 0007).
+- verl 0.9.1: not hooked (see README, "verl 0.9.1"): doctor reports the feature as not
+  applying there.
+
+A plan that fails validation (or any rank that cannot take part) makes every rank fall back to
+the stock path together, with a one-line reason in the log; under ``ASCEND_RL_MOE_RESHARD=on``
+that is an error instead.
+
+Remove when: verl's Megatron weight export sends each rollout rank only the experts it hosts.
+"""
+
+from __future__ import annotations
+
+from ... import flags
+from ...patching import Feature, Verified
+from .cli import register_cli  # noqa: F401  (``ascend-rl moe-reshard ...``)
+
+__all__ = ["FEATURE", "MODE", "BUCKET_MB", "POST_LOAD", "register_cli", "reshard_requested", "bucket_bytes"]
+
+MODES = ("off", "auto", "on")
+
+
+def _alias_to_mode(alias: str, raw: str) -> str:
+    """The recipe's ``ALL_TO_ALL_RESHARD`` was a switch: 1/true -> on, 0/false -> off."""
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return "on"
+    if low in ("0", "false", "no", "off", ""):
+        return "off"
+    return raw
+
+
+MODE = flags.define(
+    "ASCEND_RL_MOE_RESHARD", "enum", "off",
+    "Weight sync of MoE experts by all-to-all-v (each expert slice moves once, only to the rollout "
+    "ranks whose vLLM hosts it): 'off' (verl's all-gather), 'auto' (when the model has experts and "
+    "the plan is valid; otherwise verl's path with a one-line reason), 'on' (an invalid plan is an "
+    "error).", aliases=("ALL_TO_ALL_RESHARD",), choices=MODES, alias_map=_alias_to_mode,
+    feature="moe_reshard")
+BUCKET_MB = flags.define(
+    "ASCEND_RL_MOE_RESHARD_BUCKET_MB", "int", 512,
+    "Largest send (and receive) volume per rank of one all-to-all round, in MiB; the executor keeps "
+    "at most two rounds in flight.", minimum=1, maximum=1 << 20, feature="moe_reshard")
+POST_LOAD = flags.define(
+    "ASCEND_RL_MOE_RESHARD_POST_LOAD", "bool", True,
+    "After verl 0.6.1's rollout update_weights loads new weights into a vLLM MoE model, re-run "
+    "vLLM's post-load processing (repacking / transposing the fused expert weights), as the "
+    "engine does after its initial load.", feature="moe_reshard")
+
+
+def reshard_requested() -> bool:
+    """Is the reshard switched on (auto or on)?"""
+    return MODE.switched_on
+
+
+def _update_hook_wanted() -> bool:
+    return bool(POST_LOAD.value) or reshard_requested()
+
+
+def bucket_bytes() -> int:
+    return int(BUCKET_MB.value) << 20
+
+
+FEATURE = Feature(
+    "moe_reshard", "MoE expert weight sync by all-to-all-v: each expert slice goes once, straight to "
+                   "the rollout rank that hosts it.",
+    flag=MODE, replaces="the recipe's verl patches 0005 (moe_alltoallv), 0006 (weight converter for "
+                        "grouped GEMM), 0007 (post-load processing after update_weights)",
+    verified=Verified(
+        cpu_runtime="real verl 0.6.1 per_tensor_generator on a real Megatron-Core 0.12.1 MoE model "
+                    "(CPU harness, TP2xEP2xETP2 on 4 gloo processes; SequentialMLP and GroupedMLP), "
+                    "stock vs patched; real vLLM 0.13 and 0.23 CPU engines "
+                    "with a tiny Qwen3-MoE receiving the resharded weights, token- and "
+                    "parameter-identical to an engine started on them; verl 0.6.1's real "
+                    "vLLMAsyncRollout.update_weights on a real vLLM 0.13 engine",
+        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export) read, "
+               "not hooked",
+        npu="not run: HCCL all-to-all-v speed, vLLM-Ascend's w13/w2 transposes after wake-up, MC2 "
+            "dispatch after an in-place update (README)"),
+    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (vLLM 0.23 engine only)")
+
+VERL06 = ">=0.6,<0.7"
+REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the expert weights its "
+               "vLLM hosts (no all-gather of every expert over EP)")
+
+FEATURE.does_not_apply(
+    dist="verl", versions=">=0.7",
+    why="verl >= 0.7 exports Megatron weights through Megatron-Bridge (MegatronEngine."
+        "get_per_tensor_param -> export_hf_weights) to a separate vLLM server process; the reshard "
+        "is not hooked there (README: verl 0.9.1)")
+
+
+@FEATURE.wrap("verl.utils.megatron_utils:per_tensor_generator", dist="verl", versions=VERL06, order=50,
+              enabled_by=reshard_requested, name="moe_reshard.per_tensor_generator",
+              params=("actor_module", "model_config", "weight_converter", "transformer_config",
+                      "layer_name_mapping"),
+              reason="stock per_tensor_generator all-gathers every expert over EP (one local index at "
+                     "a time, after a PP broadcast) so each rank receives every expert; the patched "
+                     "generator yields the dense tensors exactly as stock and, for experts, only "
+                     "the slices this rank's vLLM hosts, moved once by all-to-all-v",
+              replaces="recipe verl 0005-verl-feature-moe_alltoallv and 0006 (Mcore->HF names of "
+                       "GroupedMLP weight1/weight2, handled by the reshard's layout)",
+              remove_when=REMOVE_WHEN)
+def _per_tensor_generator(wrapped, instance, args, kwargs):
+    from . import hooks_verl06
+    return hooks_verl06.generator(wrapped, args, kwargs)
+
+
+_UPDATE_REASON = ("the reshard needs the live vLLM model that load_weights fills (its expert maps, its "
+                  "rollout rank, where pre-narrowed slices go); and weights written by load_weights "
+                  "after the engine started are in checkpoint layout, so vLLM's post-load processing "
+                  "(repacking on CPU, w13/w2 transposes on vLLM-Ascend) must run again")
+
+
+@FEATURE.wrap("verl.workers.rollout.vllm_rollout.vllm_rollout_spmd:vLLMAsyncRollout.update_weights",
+              dist="verl", versions=VERL06, order=50, enabled_by=_update_hook_wanted,
+              name="moe_reshard.async_rollout_update_weights", params=("self", "weights"),
+              reason=_UPDATE_REASON, replaces="recipe verl 0007-verl-bugfix-moe_update_weights",
+              remove_when="verl runs vLLM's post-load processing after update_weights (verl 0.9.1's "
+                          "vLLM worker extension does) and the reshard is upstream")
+def _async_update_weights(wrapped, instance, args, kwargs):
+    from . import hooks_verl06
+    return hooks_verl06.update_weights(wrapped, instance, args, kwargs)
+
+
+@FEATURE.wrap("verl.workers.rollout.vllm_rollout.vllm_rollout_spmd:vLLMRollout.update_weights",
+              dist="verl", versions=VERL06, order=50, enabled_by=_update_hook_wanted,
+              name="moe_reshard.rollout_update_weights", params=("self", "weights"),
+              reason=_UPDATE_REASON, replaces="recipe verl 0007-verl-bugfix-moe_update_weights",
+              remove_when="verl runs vLLM's post-load processing after update_weights (verl 0.9.1's "
+                          "vLLM worker extension does) and the reshard is upstream")
+def _sync_update_weights(wrapped, instance, args, kwargs):
+    from . import hooks_verl06
+    return hooks_verl06.update_weights(wrapped, instance, args, kwargs)

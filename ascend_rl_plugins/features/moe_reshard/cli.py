@@ -1,0 +1,111 @@
+"""``ascend-rl moe-reshard convert|plan``.
+
+* ``convert --direction hf-to-mcore|mcore-to-hf --expert-impl grouped|sequential|te_grouped
+  -i SRC -o DST [--pp P --ep E --etp T --num-layers N]``: HF <-> Megatron-Core expert weights
+  through layout.py's mapping (the same one the run-time reshard uses); see convert.py.
+* ``plan --layers L --experts E --hidden H --ffn I --tp --pp --ep --etp --rollout-tp
+  --rollout-dp [--pp-layers 23,24,24,23] [--no-rollout-ep] [--placement linear|round_robin] --bucket-mb B``: print what the
+  reshard planner would move for a layout (bytes per rank, rounds, peak memory), or the one-line
+  reason it cannot.
+
+Heavy imports (torch, safetensors) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _fail(msg: str) -> int:
+    print(f"ascend-rl moe-reshard: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _layer_stages(spec: str | None) -> tuple[int, ...] | None:
+    """``"23,24,24,23"`` (layers per pipeline stage) -> the stage of every layer."""
+    if not spec:
+        return None
+    try:
+        counts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-layers wants comma-separated layer counts per stage, got {spec!r}") from None
+    return tuple(stage for stage, n in enumerate(counts) for _ in range(n))
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import ConvertError, hf_to_mcore, mcore_to_hf
+    from .layout import LayoutError, TrainingLayout
+    try:
+        if args.direction == "hf-to-mcore":
+            training = TrainingLayout(tp=1, pp=args.pp, ep=args.ep, etp=args.etp, expert_impl=args.expert_impl,
+                                      layer_stages=_layer_stages(args.pp_layers))
+            meta = hf_to_mcore(args.input, args.output, training, num_layers=args.num_layers)
+            print(f"wrote {len(meta['files'])} expert shard(s) ({args.expert_impl}) to {args.output}")
+        else:
+            written = mcore_to_hf(args.input, args.output)
+            print(f"wrote {len(written)} safetensors file(s) to {args.output}")
+    except (ConvertError, LayoutError, FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .layout import MoEShape, RolloutLayout, TrainingLayout
+    from .planner import PlanError, plan
+    shape = MoEShape(args.layers, args.experts, args.hidden, args.ffn, dtype_bytes=args.dtype_bytes)
+    try:
+        stages = _layer_stages(args.pp_layers)
+    except ValueError as exc:
+        return _fail(str(exc))
+    training = TrainingLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp, layer_stages=stages)
+    if args.no_rollout_ep:
+        rollout = RolloutLayout(args.rollout_tp, args.rollout_dp)
+    elif args.placement == "round_robin":
+        rollout = RolloutLayout.round_robin(args.rollout_tp, args.rollout_dp, args.experts)
+    else:
+        rollout = RolloutLayout.linear(args.rollout_tp, args.rollout_dp, args.experts)
+    try:
+        p = plan(shape, training, rollout, bucket_bytes=int(args.bucket_mb * 2**20), ranks_per_node=args.ranks_per_node)
+    except PlanError as exc:
+        return _fail(f"cannot plan: {exc}")
+    world = p.world
+    recv = [p.bytes_received(r) for r in range(world)]
+    peak = [p.peak_extra_bytes(r) for r in range(world)]
+    gib = 2**30
+    print(f"world {world}, {len(p.rounds)} rounds, bucket {args.bucket_mb} MiB")
+    print(f"received per rank: max {max(recv) / gib:.3f} GiB, total {sum(recv) / gib:.3f} GiB "
+          f"(minimum {sum(p.minimum_bytes(r) for r in range(world)) / gib:.3f} GiB)")
+    print(f"peak extra memory per rank: max {max(peak) / gib:.3f} GiB ({max(peak) / p.bucket_bytes:.2f} buckets)")
+    print(f"plan digest {p.digest()[:16]}")
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    m = subparsers.add_parser("moe-reshard", help="MoE expert reshard: HF<->Megatron converter, reshard plans")
+    sub = m.add_subparsers(dest="moe_reshard_command", required=True)
+    c = sub.add_parser("convert", help="convert expert weights between HF and Megatron-Core layouts")
+    c.add_argument("--direction", required=True, choices=("hf-to-mcore", "mcore-to-hf"))
+    c.add_argument("--expert-impl", default="grouped", choices=("grouped", "sequential", "te_grouped"),
+                   help="Megatron expert module (hf-to-mcore; mcore-to-hf reads it from moe_layout.json)")
+    c.add_argument("-i", "--input", required=True, help="source directory")
+    c.add_argument("-o", "--output", required=True, help="destination directory")
+    c.add_argument("--pp", type=int, default=1, help="pipeline stages (even split of the layers)")
+    c.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    c.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+    c.add_argument("--pp-layers", default=None, help="uneven pipeline split: layers per stage, e.g. 23,24,24,23")
+    c.add_argument("--num-layers", type=int, default=None,
+                   help="decoder layers (default: config.json's num_hidden_layers, else the last MoE layer + 1)")
+    c.set_defaults(func=cmd_convert)
+    p = sub.add_parser("plan", help="what the reshard planner moves for a layout")
+    for name, default in (("layers", None), ("experts", None), ("hidden", None), ("ffn", None)):
+        p.add_argument(f"--{name}", type=int, required=default is None)
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    for name in ("tp", "pp", "vpp", "ep", "etp", "rollout-tp", "rollout-dp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--pp-layers", default=None, help="uneven pipeline split: layers per stage, e.g. 23,24,24,23")
+    p.add_argument("--no-rollout-ep", action="store_true", help="rollout without expert parallelism (TP narrow)")
+    p.add_argument("--placement", choices=("linear", "round_robin"), default="linear")
+    p.add_argument("--bucket-mb", type=float, default=512.0)
+    p.add_argument("--ranks-per-node", type=int, default=16)
+    p.set_defaults(func=cmd_plan)

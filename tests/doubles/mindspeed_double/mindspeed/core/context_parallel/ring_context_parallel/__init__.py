@@ -1,0 +1,1 @@
+"""Double of ``mindspeed.core.context_parallel.ring_context_parallel``."""

@@ -1,0 +1,189 @@
+"""moe_reshard's verl hooks.
+
+verl 0.6.1 (recipe stack): ``per_tensor_generator`` stock vs patched on a real Megatron-Core MoE
+model on 4 gloo processes, TP2 x EP2 with Megatron's default ETP = TP = 2 (verl06_scenario.py): the dense tensors are bit-identical to stock's,
+each rank gets exactly the experts its rollout rank hosts, bit-identical to stock's tensors of
+the same name, where stock sends every expert to every rank; a plan that fails validation, or no
+reachable rollout, falls back to stock on every rank with a one-line reason; a GroupedMLP model
+(which stock verl 0.6.1 cannot name) syncs its hosted experts exactly.
+
+verl 0.9.1 (current stack): not hooked; what the feature says about it is checked against the
+real source (``MegatronEngine.get_per_tensor_param`` exports through Megatron-Bridge).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+
+from ascend_rl_plugins.features import moe_reshard as feature
+from tests.support.child import run_group
+
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASCEND_RL_AUTOLOAD": "0",
+       "ASCEND_RL_MOE_RESHARD": "auto"}
+
+
+def _verl() -> str:
+    try:
+        version("torch")
+        version("megatron-core")
+        return version("verl")
+    except PackageNotFoundError:
+        pytest.skip("torch, megatron-core and verl are not installed in this interpreter (.ci/stack.sh)")
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    if not _verl().startswith("0.6."):
+        pytest.skip("the per_tensor_generator hook is for verl 0.6.x (this stack has verl " + _verl() + ")")
+    return run_group("tests.features.moe_reshard.verl06_scenario", "stock_vs_patched", 4, 2, env=ENV, timeout=900)
+
+
+def test_the_patch_is_applied_and_rebinds_the_module_attribute(ranks):
+    for r in ranks:
+        assert r["patch_state"] == "applied" and r["rebound"], r
+
+
+def test_dense_tensors_are_bit_identical_to_stock(ranks):
+    for r in ranks:
+        assert r["dense_bit_identical"], r
+        assert r["patched_dense_names"] == r["stock_dense_names"]
+        assert "model.layers.1.mlp.gate.weight" in r["stock_dense_names"]
+
+
+def test_each_rank_gets_exactly_its_hosted_experts_identical_to_stocks(ranks):
+    for r in ranks:
+        assert r["stock_expert_ids"] == [0, 1, 2, 3]  # stock: every expert on every rank
+        assert r["stock_expert_names"] == 2 * 4 * 3
+        want = sorted(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+                      for layer in (0, 1) for e in r["hosted"] for p in ("gate_proj", "up_proj", "down_proj"))
+        assert sorted(r["patched_expert_names"]) == want  # each exactly once
+        assert len(r["patched_expert_names"]) == len(set(r["patched_expert_names"]))
+        assert r["experts_equal_stock"], r
+        assert r["expert_bytes"]["patched"] * 4 == r["expert_bytes"]["stock"]
+    # round-robin over 4 rollout ranks: rank r hosts expert r; expert 1 is trained on EP rank 0,
+    # its rows split over the two ETP ranks, so rank 1 assembles it from ranks it does not share
+    assert [r["hosted"] for r in ranks] == [[0], [1], [2], [3]]
+
+
+def test_an_invalid_plan_falls_back_to_stock_on_every_rank_with_a_reason(ranks):
+    for r in ranks:
+        assert r["fallback_equals_stock"] and r["no_rollout_equals_stock"] and r["mixed_equals_stock"], r
+        # only rank 0 could take part: every rank took the stock path, naming a rank that could not
+        assert r["mixed_log"] and r["mixed_log"][0].startswith("ascend-rl moe_reshard: stock weight sync (rank 1: ")
+    logs = [m for r in ranks for m in r["fallback_log"]]
+    assert logs and all(m.startswith("ascend-rl moe_reshard: stock weight sync (") for m in logs)
+    assert any("host 1 of 4 experts" in m for m in logs)
+    assert any("no vLLM MoE model" in m for r in ranks for m in r["no_rollout_log"])
+
+
+def test_grouped_mlp_experts_sync_where_stock_verl_cannot_name_them(ranks):
+    for r in ranks:
+        g = r["grouped"]
+        assert g["stock"].startswith("NotImplementedError: Unsupported parameter name") and "weight1" in g["stock"]
+        want = sorted(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight"
+                      for layer in (0, 1) for e in g["hosted"] for p in ("gate_proj", "up_proj", "down_proj"))
+        assert g["expert_names"] == want
+        assert g["wrong"] == []
+        assert g["dense"] == len(r["stock_dense_names"])
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    if not _verl().startswith("0.6."):
+        pytest.skip("the hybrid-engine chain is verl 0.6.x's (this stack has verl " + _verl() + ")")
+    from tests.support.child import ENGINE_ENV
+    env = {**ENGINE_ENV, **ENV, "ASCEND_RL_MOE_RESHARD": "on"}  # on: a fallback would raise
+    out = str(tmp_path_factory.mktemp("moe-reshard-chain"))
+    return run_group("tests.features.moe_reshard.verl06_scenario", "hybrid_engine_chain", 1, out,
+                     env=env, timeout=900)[0]
+
+
+def test_the_colocated_chain_syncs_through_the_live_vllm_model_like_stock(chain):
+    """verl's real update_weights(per_tensor_generator(...)) into a real vLLM 0.13 engine in the
+    same process: the generator found the live model (expert map, rollout rank) that the
+    update_weights patch published, and every vLLM parameter and the greedy tokens equal stock's."""
+    assert set(chain["states"].values()) == {"applied"}
+    assert chain["generator_saw_live_model"] == [True]
+    assert chain["stock_tokens"] != chain["w0_tokens"]
+    assert chain["patched_tokens"] == chain["stock_tokens"]
+    assert chain["params"] > 0 and chain["different"] == []
+
+
+# -- verl 0.9.1: read, not hooked --------------------------------------------------------------
+
+def test_verl_09_exports_through_megatron_bridge_and_is_declared_not_covered():
+    """Read in verl 0.9.1's source (no import): the Megatron engine's export goes through the
+    bridge (no per_tensor_generator to hook), and the feature declares it does not apply there."""
+    import ast
+
+    from tests.support.stacks import source
+    path = source("current", "verl", "verl", "workers", "engine", "megatron", "transformer_impl.py")
+    tree = ast.parse(open(path).read())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MegatronEngine")
+    method = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "get_per_tensor_param")
+    text = ast.unparse(method)
+    assert "export_hf_weights" in text and "per_tensor_generator" not in text
+    na = feature.FEATURE.not_applicable
+    assert len(na) == 1 and na[0].dist == "verl" and "Megatron-Bridge" in na[0].why
+    assert all(p.versions_text == feature.VERL06 for p in feature.FEATURE.patches)
+
+
+# -- the rollout side's expert maps --------------------------------------------------------------
+
+def _fused(expert_map, experts=4, local=None, inter=2, hidden=3):
+    """A module carrying what vLLM's FusedMoE exposes to the reshard (the attribute names and
+    shapes read in vLLM 0.13 / 0.23: ``_expert_map`` with -1 for experts hosted elsewhere,
+    ``w13_weight [E_local, 2I, H]``, ``w2_weight [E_local, H, I]``)."""
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Module()
+    n = experts if local is None else local
+    module.w13_weight = torch.nn.Parameter(torch.zeros(n, 2 * inter, hidden), requires_grad=False)
+    module.w2_weight = torch.nn.Parameter(torch.zeros(n, hidden, inter), requires_grad=False)
+    module.global_num_experts = experts
+    module._expert_map = None if expert_map is None else torch.tensor(expert_map)
+    return module
+
+
+def _model(*layers):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for fused in layers:
+        block = torch.nn.Module()
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = fused
+        model.layers.append(block)
+    return model
+
+
+def test_expert_maps_are_read_as_global_ids_in_local_slot_order():
+    from ascend_rl_plugins.features.moe_reshard import vllm_side
+    assert vllm_side.expert_map_of(_fused(None)) == (0, 1, 2, 3)
+    assert vllm_side.expert_map_of(_fused([-1, 1, -1, 0], local=2)) == (3, 1)
+    with pytest.raises(ValueError, match="holes"):
+        vllm_side.expert_map_of(_fused([-1, 2, -1, 0], local=2))
+    model = _model(_fused([0, -1, 1, -1], local=2), _fused([0, -1, 1, -1], local=2))
+    assert vllm_side.local_expert_map(model) == (0, 2)
+    with pytest.raises(ValueError, match="per-layer"):
+        vllm_side.local_expert_map(_model(_fused([0, -1, 1, -1], local=2), _fused([1, -1, 0, -1], local=2)))
+
+
+def test_a_pre_narrowed_slice_goes_to_its_slot_and_rows_and_a_wrong_layout_is_refused():
+    torch = pytest.importorskip("torch")
+    from ascend_rl_plugins.features.moe_reshard import vllm_side
+    fused = _fused([-1, 1, -1, 0], local=2)
+    model = _model(fused)
+    gate, up, down = torch.full((2, 3), 1.0), torch.full((2, 3), 2.0), torch.full((3, 2), 3.0)
+    for proj, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        vllm_side.load_pre_narrowed(model, f"model.layers.0.mlp.experts.1.{proj}.weight", t)
+    assert torch.equal(fused.w13_weight[1], torch.cat([gate, up])) and torch.equal(fused.w2_weight[1], down)
+    assert not fused.w13_weight[0].any() and not fused.w2_weight[0].any()
+    with pytest.raises(ValueError, match="not hosted"):
+        vllm_side.load_pre_narrowed(model, "model.layers.0.mlp.experts.2.gate_proj.weight", gate)
+    with pytest.raises(ValueError, match="does not fit"):
+        vllm_side.load_pre_narrowed(model, "model.layers.0.mlp.experts.3.gate_proj.weight", torch.ones(3, 3))
+    assert vllm_side.checkpoint_layout(model, hidden=3)
+    fused.w13_weight = torch.nn.Parameter(fused.w13_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
+    assert not vllm_side.checkpoint_layout(model, hidden=3)  # as vLLM-Ascend leaves it after loading
