@@ -12,8 +12,10 @@ lm_head may be kept in float32.
 W4A16 (seed doc 002's INT4 rollout): the engine serves a compressed-tensors pack-quantized
 checkpoint on vLLM's CPUWNA16 kernel; updates are quantized with the converter's
 ``int4.quantize_pack`` and written straight into the kernel's post-processed storage.
-Block FP8 is refused at engine start where it cannot be served (vLLM-Ascend keeps
-power-of-two block scales only) or where the online reload is not provided.
+Block FP8 (128x128) runs where vLLM serves it on CPU (0.23, AMX: CPUFp8BlockScaledMMKernel);
+updates are quantized with the converter's ``block_fp8.quantize`` and written, VNNI-packed,
+into the kernel's storage. It is refused at engine start elsewhere (vLLM 0.13, no AMX,
+vLLM-Ascend, which keeps power-of-two block scales only).
 
 When they can be removed: when vLLM's layerwise weight reload (0.23's
 ``model_loader/reload``) accepts BF16 updates for compressed-tensors INT8 layers with
@@ -37,7 +39,7 @@ CONFIG = flags.define(
     "FlashRL rollout: a config file written by `ascend-rl flashrl setup` (rank r uses config r mod n; "
     "fn int8*, fp8_channel/fp8_tensor, w4a16 or fp8_block), or the preset 'bf16'; empty = off. 'int8' and 'fp8' "
     "need a config file (it names the quantized checkpoint); a format the platform cannot serve (FP8 W8A8 or "
-    "W4A16 on vLLM 0.13 CPU, block FP8 on vLLM-Ascend ...) fails at engine start naming what is supported.",
+    "W4A16 on vLLM 0.13 CPU, block FP8 on vLLM-Ascend, vLLM 0.13 or a CPU without AMX ...) fails at engine start naming what is supported.",
     aliases=("FLASHRL_CONFIG",), feature="flashrl")
 LOGGING_LEVEL = flags.define(
     "ASCEND_RL_FLASHRL_LOGGING_LEVEL", "enum", "info",
@@ -66,7 +68,8 @@ FEATURE = Feature("flashrl", "INT8/FP8 W8A8 and W4A16 rollout with online-quanti
                   replaces="Qwen3 RL recipe docs 000/001 (FlashRL: flash-llm-rl profile/setup, FLASHRL_CONFIG); "
                            "seed doc 002's INT4 (W4A16) rollout",
                   verified=Verified(
-                      cpu_runtime="vLLM 0.23's real oneDNN int8 kernel and real CPUWNA16 W4A16 kernel; verl "
+                      cpu_runtime="vLLM 0.23's real oneDNN int8 kernel, real CPUWNA16 W4A16 kernel and real "
+                                  "AMX block-FP8 kernel (CPUFp8BlockScaledMMKernel); verl "
                                   "0.9.1's real bucketed update path on vLLM 0.23",
                       doubles="vLLM 0.13 with a torch double of the oneDNN int8 ops missing from its "
                               "CPU wheel; FP8 on vLLM 0.23 with its capability check doubled; vLLM-Ascend "
@@ -162,10 +165,9 @@ def _check_low_precision(cfg) -> None:
                               f"cannot serve with flashrl's reload: {why}. Supported here instead: {ALTERNATIVES}.")
         return
     ok, why = block_fp8_support()
-    if ok:
-        why = (f"vLLM serves block FP8 on this CPU ({why}), but flashrl's online block-FP8 re-quantization into a "
-               f"running engine is not provided; serve the block-FP8 checkpoint without {CONFIG.name} (vLLM's own "
-               f"reload_weights takes pre-quantized tensors)")
+    if ok:  # vLLM 0.23 CPU with AMX: flashrl writes each update straight into the kernel's storage
+        log.info("flashrl: block FP8 served here: %s", why)
+        return
     raise ConfigError(f"{CONFIG.name}={CONFIG.value} selects fn='fp8_block' (128x128 block FP8 rollout), which is "
                       f"refused here: {why}. Supported instead: {ALTERNATIVES}, and W4A16 (--fn w4a16) on vLLM 0.23 "
                       f"CPU.")
@@ -196,6 +198,13 @@ def _verl_fp8_rollout(instance) -> str | None:
               remove_when="vLLM's layerwise reload quantizes BF16 updates for INT8 layers by itself",
               upstream="https://github.com/vllm-project/vllm/issues/19020")
 def _flashrl_process_weights(wrapped, instance, args, kwargs):
+    model = args[0] if args else kwargs.get("model")
+    from .reload import state_of
+    if state_of(model) is None:
+        _, cfg = active_config()
+        if cfg.is_block_fp8:  # 128x128 block FP8 on vLLM 0.23's CPU kernel (engine start allowed it)
+            from .reload import block_fp8_process_weights
+            return block_fp8_process_weights(wrapped, args, kwargs, cfg)
     from .hooks import process_weights_after_loading
     return process_weights_after_loading(wrapped, args, kwargs)
 

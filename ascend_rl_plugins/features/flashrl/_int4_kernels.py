@@ -38,12 +38,12 @@ def _as_float32_impl(x):
     return lambda x: np.float32(x)
 
 
-def _store_scale(arr, i, j, s):
-    """Store a float32 scale that is already bf16-exact (uint16 bit array) or a float32."""
+def _store_bf16_exact(arr, i, j, s):
+    """Store a float32 value that is already bf16-exact into a bf16 (uint16 bits) or float32 array."""
 
 
-@overload(_store_scale, inline="always")
-def _store_scale_impl(arr, i, j, s):
+@overload(_store_bf16_exact, inline="always")
+def _store_bf16_exact_impl(arr, i, j, s):
     if isinstance(arr.dtype, types.Integer):
         def impl(arr, i, j, s):
             arr[i, j] = np.uint16(np.float32(s).view(np.uint32) >> np.uint32(16))
@@ -129,7 +129,7 @@ def _quantize_codes(w, scale, codes, g, divisor, round_scale, round_q, eps, qmin
             for gi in range(k // g):
                 c0 = gi * g
                 s = _group_scale(w, r, c0, g, divisor, round_scale, eps)
-                _store_scale(scale, r, gi, s)
+                _store_bf16_exact(scale, r, gi, s)
                 _group_nibbles(w, r, c0, g, s, round_q, qmin, qmax, nib)
                 for c in range(g):
                     codes[r, c0 + c] = np.int8(np.int32(nib[c]) - np.int32(8))
@@ -146,25 +146,9 @@ def _quantize_packed(w, scale, packed, g, divisor, round_scale, round_q, eps, qm
             for gi in range(k // g):
                 c0 = gi * g
                 s = _group_scale(w, r, c0, g, divisor, round_scale, eps)
-                _store_scale(scale, r, gi, s)
+                _store_bf16_exact(scale, r, gi, s)
                 _group_nibbles(w, r, c0, g, s, round_q, qmin, qmax, nib)
                 _pack_bytes(nib64, packed, r, c0 // 8)
-
-
-def _store_weight(arr, r, c, f):
-    """Store a float32 value that is already bf16-exact into a bf16 (uint16 bits) or float32 array."""
-
-
-@overload(_store_weight, inline="always")
-def _store_weight_impl(arr, r, c, f):
-    if isinstance(arr.dtype, types.Integer):
-        def impl(arr, r, c, f):
-            arr[r, c] = np.uint16(np.float32(f).view(np.uint32) >> np.uint32(16))
-        return impl
-
-    def impl_f(arr, r, c, f):
-        arr[r, c] = f
-    return impl_f
 
 
 @nb.njit(parallel=True, cache=True)
@@ -184,7 +168,7 @@ def _fake_quantize(w, out, g, divisor, round_scale, round_q, eps, qmin, qmax, ro
                     d = buf[c] * s
                     if round_deq:
                         d = _round_bf16(d)
-                    _store_weight(out, r, c0 + c, d)
+                    _store_bf16_exact(out, r, c0 + c, d)
 
 
 def _params(weight, spec):

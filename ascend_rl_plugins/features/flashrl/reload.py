@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .config import INT4_FNS
+from .config import BLOCK_FP8_FNS, INT4_FNS
 from .profile import Int4OnlineQuantizer, OnlineQuantizer, Profile, ProfileError
 
 log = logging.getLogger("ascend_rl_plugins.flashrl")
@@ -103,9 +103,13 @@ def _is_quantized_w8a8(module: torch.nn.Module) -> bool:
 
 def _quant_kind(module: torch.nn.Module) -> str | None:
     """``"w8a8"`` (int8 / fp8 ``weight`` + ``weight_scale``), ``"w4a16"`` (compressed-tensors
-    pack-quantized: int32 ``weight_packed`` + ``weight_scale``) or None."""
+    pack-quantized: int32 ``weight_packed`` + ``weight_scale``), ``"block_fp8"`` (vLLM's Fp8
+    method with ``weight_block_size``: fp8 ``weight`` + float32 ``weight_scale_inv``) or None."""
     if _is_quantized_w8a8(module):
         return "w8a8"
+    w = module._parameters.get("weight")
+    if w is not None and w.dtype == torch.float8_e4m3fn and "weight_scale_inv" in module._parameters:
+        return "block_fp8"
     w = module._parameters.get("weight_packed")
     if w is not None and w.dtype == torch.int32 and "weight_scale" in module._parameters:
         return "w4a16"
@@ -395,6 +399,8 @@ class ReloadState:
     def quantizer(self) -> OnlineQuantizer | Int4OnlineQuantizer:
         def is_quantized(name, shape):
             return len(shape) == 2 and name.endswith(".weight") and (self.module_of(name)[0] or _NO).quantized
+        if self.fn in BLOCK_FP8_FNS:
+            return BlockFp8DirectWriter(self)
         if self.fn in INT4_FNS:
             if self.int4_spec is None:
                 raise ReloadError("flashrl reload: W4A16 reload without an Int4Spec (engine start did not record "
@@ -489,8 +495,8 @@ class _Update:
         the module's first tensor arrives), so the name -> parameter map vLLM builds at the
         start of ``load_weights`` points at them."""
         for rec in self.state.records.values():
-            if not rec.rebuild or rec.name in self.swapped or rec.name in self.pending:
-                continue
+            if not rec.rebuild or rec.name in self.swapped or rec.name in self.pending or rec.kind == "block_fp8":
+                continue  # (block FP8: written straight into the engine's storage, see BlockFp8DirectWriter)
             rec.countable = _count_loads(rec)
             params = rec.module._parameters
             live = {n: (v, None if v is None else v.data) for n, v in params.items()}
@@ -579,6 +585,9 @@ class _Update:
                 if self.original is None:
                     raise ReloadError("flashrl reload: norms held for pruning but no load_weights call")
                 self.call(self.original, held)
+        check = getattr(self.quantizer, "check_complete", None)
+        if check is not None:
+            check()
         if state.rebuild_all:  # FlashRL's memory profile (benchmark baseline): everything at once
             for name in [n for n, p in self.pending.items() if p.seen >= set(p.record.shards)]:
                 self._close(self.pending.pop(name))
@@ -829,3 +838,146 @@ def update_session(*models: torch.nn.Module):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+# -- block FP8 (128x128) on vLLM 0.23's CPU kernel: direct in-place writes ------------------
+
+BLOCK_FP8_STRIP_BYTES = 1 << 20  # fp8 bytes quantized and VNNI-packed at a time (then copied into place)
+
+
+def block_fp8_direct_layout(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot take the direct block-FP8 write (None when it can).
+
+    The direct path covers vLLM 0.23's ``Fp8LinearMethod`` with ``weight_block_size [128, 128]``
+    served by ``CPUFp8BlockScaledMMKernel``: its post-processing replaces ``weight`` by
+    ``_C.convert_weight_packed(weight)`` (VNNI prepack for AMX: same shape and dtype, bytes
+    moved within each group of 32 output rows) and re-wraps ``weight_scale_inv`` unchanged."""
+    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+    if type(kernel).__name__ != "CPUFp8BlockScaledMMKernel":
+        return f"kernel {type(kernel).__name__} is not vLLM's CPUFp8BlockScaledMMKernel"
+    block = tuple(int(b) for b in (getattr(module, "weight_block_size", None) or ()))
+    if block != (128, 128):
+        return f"weight_block_size {list(block)} is not [128, 128]"
+    w, s = module._parameters.get("weight"), module._parameters.get("weight_scale_inv")
+    if w is None or s is None or w.dim() != 2 or not w.is_contiguous() or w.dtype != torch.float8_e4m3fn:
+        return f"weight is {_desc(w)}, not a contiguous float8_e4m3fn matrix"
+    n, k = w.shape
+    if s.dtype != torch.float32 or tuple(s.shape) != (-(-n // 128), -(-k // 128)) or not s.is_contiguous():
+        return f"weight_scale_inv is {_desc(s)}, not float32 {(-(-n // 128), -(-k // 128))}"
+    widths = list(getattr(module, "logical_widths", None) or [n])
+    if sum(widths) != n or any(x % 128 for x in widths[:-1]) or n % 32:
+        return (f"output shards {widths} (total {n}) do not start on 128-row blocks or the total is not a "
+                f"multiple of 32")
+    if int(getattr(module, "input_size_per_partition", k)) != k:
+        return f"input_size_per_partition {getattr(module, 'input_size_per_partition', None)} != {k}"
+    return None
+
+
+class BlockFp8DirectWriter:
+    """The reload's "quantizer" for ``fn: fp8_block``: each BF16 linear weight of a block-FP8
+    layer is quantized with :func:`.block_fp8.quantize` (the offline converter's function) a
+    strip of 128-row blocks at a time, VNNI-packed with vLLM's own ``_C.convert_weight_packed``
+    (a strip of whole 32-row groups packs independently of the rest) and copied straight into
+    the engine's post-processed ``weight`` at the shard's row offset; its block scales go into
+    ``weight_scale_inv``. Nothing of these layers is handed to vLLM's ``load_weights`` and no
+    data pointer changes; the extra memory is one strip (:data:`BLOCK_FP8_STRIP_BYTES`).
+    Everything else (norms, embeddings, lm_head) passes through to vLLM's loader.
+
+    Tensor parallelism: a shard must arrive whole (``[logical width, in]``), i.e. TP=1."""
+
+    def __init__(self, state: ReloadState):
+        self.state = state
+        self.seen: dict[str, set[str]] = {}
+
+    def quantize_linear(self, name, weight, out=None, scale_out=None):  # (timing wrapper target)
+        from . import block_fp8
+        return block_fp8.quantize(weight, block_fp8.BLOCK, out_weight=out, out_scale_inv=scale_out)
+
+    def transform(self, weights):
+        for name, tensor in weights:
+            yield from self.push(name, tensor)
+
+    def push(self, name: str, tensor: torch.Tensor):
+        rec, leaf = self.state.module_of(name)
+        if rec is None or rec.kind != "block_fp8":
+            yield name, tensor
+            return
+        if not name.endswith(".weight") or tensor.dim() != 2 or not tensor.is_floating_point() \
+                or tensor.dtype == torch.float8_e4m3fn:
+            raise ReloadError(f"flashrl reload: {name} ({_desc(tensor)}) -- the block-FP8 reload takes the BF16 "
+                              f"(or float32) linear weights of {rec.name} only, quantized online")
+        self._write(rec, leaf, tensor)
+        self.seen.setdefault(rec.name, set()).add(leaf)
+
+    def flush(self):
+        return iter(())
+
+    def _write(self, rec: ModuleRecord, leaf: str, tensor: torch.Tensor) -> None:
+        module = rec.module
+        w, s = module._parameters["weight"], module._parameters["weight_scale_inv"]
+        n_all, k = w.shape
+        widths = list(getattr(module, "logical_widths", None) or [n_all])
+        if leaf not in rec.shards or len(widths) != len(rec.shards):
+            raise ReloadError(f"flashrl reload: {rec.name}: shard {leaf!r} does not map onto the layer's "
+                              f"output shards {list(rec.shards)} / widths {widths}")
+        i = rec.shards.index(leaf)
+        off, n = sum(widths[:i]), widths[i]
+        if tuple(tensor.shape) != (n, k):
+            raise ReloadError(f"flashrl reload: {rec.name}.{leaf}: update shape {tuple(tensor.shape)} != the "
+                              f"engine's shard {(n, k)} (the block-FP8 reload writes whole shards: TP=1)")
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        step = max(128, (BLOCK_FP8_STRIP_BYTES // max(1, k)) // 128 * 128)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                q, sc = self.quantize_linear(None, src[r0:r1])
+                packed = torch.ops._C.convert_weight_packed(q)
+                del q
+                w.data[off + r0: off + r1].copy_(packed)
+                del packed
+                b0 = (off + r0) // 128
+                s.data[b0: b0 + sc.shape[0]].copy_(sc)
+        t = self.state.timing
+        t["quantize_s"] = t.get("quantize_s", 0.0) + time.perf_counter() - t0
+
+    def check_complete(self) -> None:
+        partial = {name: sorted(set(self.state.records[name].shards) - leaves)
+                   for name, leaves in self.seen.items() if leaves < set(self.state.records[name].shards)}
+        if partial:
+            raise ReloadError(f"flashrl reload: the update sent fused block-FP8 layers only in part (missing "
+                              f"shards: {partial}); the shards it did send are already written (the block-FP8 "
+                              f"reload writes in place), so send every shard of a fused layer in one update")
+
+
+def block_fp8_process_weights(wrapped, args, kwargs, cfg):
+    """Engine start with ``fn: fp8_block``: the engine's own post-processing, then check every
+    quantized layer takes the direct write (:func:`block_fp8_direct_layout`) and wrap
+    ``model.load_weights``. Raises ConfigError naming the layer otherwise."""
+    from .config import ConfigError
+    b = dict(zip(("model", "model_config", "target_device"), args))
+    b.update(kwargs)
+    model = b["model"]
+    state = ReloadState(model, b.get("model_config"), b.get("target_device"), None, cfg.fn)
+    before = state.record_before()
+    result = wrapped(*args, **kwargs)
+    state.record_after(before)
+    quantized = [r for r in state.records.values() if r.quantized]
+    if not quantized:
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn='fp8_block' with model {cfg.model!r}, but the engine "
+                          f"loaded no block-FP8 linear layer (write the checkpoint with `ascend-rl flashrl quantize "
+                          f"--fn fp8-block`)")
+    other = sorted(r.name for r in quantized if r.kind != "block_fp8")
+    if other:
+        raise ConfigError(f"ASCEND_RL_FLASHRL selects fn='fp8_block' but {cfg.model!r} holds other quantized "
+                          f"layers ({len(other)}, e.g. {other[0]}); use the fn of that checkpoint")
+    for r in quantized:
+        why = block_fp8_direct_layout(r.module)
+        if why is not None:
+            raise ConfigError(f"ASCEND_RL_FLASHRL fn='fp8_block': {r.name} cannot take flashrl's block-FP8 "
+                              f"reload: {why}")
+    install(model, state)
+    log.info("flashrl: %d block-FP8 layers ready for online-quantized reload (direct VNNI writes)", len(quantized))
+    return result

@@ -102,15 +102,11 @@ def install_verl_scaffolding(src: str) -> None:
 def run(paths: dict, out_dir: str, verl_src: str) -> dict:
     os.environ.setdefault("VERL_RAY_JOB_ID", f"ascendrl{os.getpid()}")
     install_verl_scaffolding(verl_src)
-    import asyncio
-    import threading
-
     import torch
     import zmq
     from safetensors.torch import load_file, save_file
 
     import verl.workers.rollout.vllm_rollout.utils as verl_utils
-    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
     from vllm import LLM
 
     from ascend_rl_plugins.features.flashrl import reload as rl
@@ -132,32 +128,7 @@ def run(paths: dict, out_dir: str, verl_src: str) -> dict:
     res["out_before"] = engine_scenario._generate(llm)
     ptrs0 = {n: p.data_ptr() for n, p in model.named_parameters()}
     state.keep_quantized = True
-    handle = (f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-"
-              f"{os.environ.get('VERL_REPLICA_RANK', '0')}-rank-0.sock")
-    stream = engine_scenario._stream(paths["bf16_b"])
-
-    def update():
-        errors = []
-
-        def receive():
-            try:
-                llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
-            except Exception as exc:  # noqa: BLE001  (with its context: verl's cleanup can mask it)
-                while exc is not None:
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                    exc = exc.__cause__ or exc.__context__
-        t = threading.Thread(target=receive)
-        t.start()
-        sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=1, use_shm=True)
-        sender.bucket_size = BUCKET_BYTES
-        try:
-            asyncio.run(sender.async_send_weights(iter(stream)))
-        except Exception as exc:  # noqa: BLE001  (the receiver failed and stopped answering)
-            errors.append(f"sender {type(exc).__name__}: {exc}")
-        t.join(300)
-        return errors
-
-    errors = update()
+    errors = verl_update(llm, engine_scenario._stream(paths["bf16_b"]))
     res["errors"] = errors
     res["stats"] = state.last_stats
     res["open_session"] = state.update is not None
@@ -174,10 +145,42 @@ def run(paths: dict, out_dir: str, verl_src: str) -> dict:
     res["out_after"] = engine_scenario._generate(llm)
     save_file(engine_scenario._processed_state(model), os.path.join(out_dir, "verl_state.safetensors"))
     # a second update through the same path (buckets split differently: A, then B again)
-    stream = engine_scenario._stream(paths["bf16_a"])
-    res["errors2"] = update()
-    stream = engine_scenario._stream(paths["bf16_b"])
-    res["errors3"] = update()
+    res["errors2"] = verl_update(llm, engine_scenario._stream(paths["bf16_a"]))
+    res["errors3"] = verl_update(llm, engine_scenario._stream(paths["bf16_b"]))
     res["out_final"] = engine_scenario._generate(llm)
     res["reloads"] = state.reloads
     return res
+
+
+def verl_update(llm, weights: list) -> list:
+    """Send ``weights`` through verl 0.9.1's real bucketed path (``BucketedWeightSender`` ->
+    ``vLLMColocateWorkerExtension.update_weights_from_ipc``: one ``load_weights`` per 160 KiB
+    bucket, fused layers split between buckets, then ``process_weights_after_loading``).
+    Needs :func:`.verl_scenario.install_verl_scaffolding` before the engine was built.
+    Returns the errors (empty when the update went through)."""
+    import asyncio
+    import threading
+
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    handle = (f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-"
+              f"{os.environ.get('VERL_REPLICA_RANK', '0')}-rank-0.sock")
+    errors = []
+
+    def receive():
+        try:
+            llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+        except Exception as exc:  # noqa: BLE001  (with its context: verl's cleanup can mask it)
+            while exc is not None:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                exc = exc.__cause__ or exc.__context__
+    t = threading.Thread(target=receive)
+    t.start()
+    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=1, use_shm=True)
+    sender.bucket_size = BUCKET_BYTES
+    try:
+        asyncio.run(sender.async_send_weights(iter(weights)))
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"sender {type(exc).__name__}: {exc}")
+    t.join(300)
+    return errors

@@ -17,6 +17,7 @@ import json
 import os
 
 from .engine_scenario import _generate, _model, _processed_state, bits_equal
+from .verl_scenario import verl_update
 
 GROUP_SIZE = 64
 
@@ -65,41 +66,6 @@ def make_llm(model: str, **kwargs):
     from vllm import LLM
     return LLM(model=model, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="bfloat16", seed=0,
                gpu_memory_utilization=0.5, **kwargs)
-
-
-def verl_update(llm, weights: list) -> list:
-    """Send ``weights`` through verl 0.9.1's real bucketed path (``BucketedWeightSender`` ->
-    ``vLLMColocateWorkerExtension.update_weights_from_ipc``: one ``load_weights`` per 160 KiB
-    bucket, fused layers split between buckets, then ``process_weights_after_loading``).
-    Needs :func:`.verl_scenario.install_verl_scaffolding` before the engine was built.
-    Returns the errors (empty when the update went through)."""
-    import asyncio
-    import threading
-
-    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
-
-    from .verl_scenario import BUCKET_BYTES
-    handle = (f"ipc:///tmp/rl-colocate-zmq-{os.environ['VERL_RAY_JOB_ID']}-replica-"
-              f"{os.environ.get('VERL_REPLICA_RANK', '0')}-rank-0.sock")
-    errors = []
-
-    def receive():
-        try:
-            llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
-        except Exception as exc:  # noqa: BLE001  (with its context: verl's cleanup can mask it)
-            while exc is not None:
-                errors.append(f"{type(exc).__name__}: {exc}")
-                exc = exc.__cause__ or exc.__context__
-    t = threading.Thread(target=receive)
-    t.start()
-    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=1, use_shm=True)
-    sender.bucket_size = BUCKET_BYTES
-    try:
-        asyncio.run(sender.async_send_weights(iter(weights)))
-    except Exception as exc:  # noqa: BLE001
-        errors.append(f"sender {type(exc).__name__}: {exc}")
-    t.join(300)
-    return errors
 
 
 def stream(model_dir: str) -> list:
