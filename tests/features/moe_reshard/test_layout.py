@@ -22,13 +22,10 @@ from ascend_rl_plugins.features.moe_reshard.layout import PROJS, LayoutError, Mo
 
 
 def test_layout_and_planner_do_not_import_torch():
-    import subprocess
-    import sys
-    code = ("import sys, ascend_rl_plugins.features.moe_reshard.layout, ascend_rl_plugins.features.moe_reshard.planner;"
-            "print('torch' in sys.modules)")
+    from tests.support.child import run_scenario
     # a fresh interpreter: the module list of this pytest process is polluted by other tests
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert run_scenario("tests.features.moe_reshard.planner_scenario",
+                        "torch_after_importing_layout_and_planner") is False
 
 
 def _rank_generator():

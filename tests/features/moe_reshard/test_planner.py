@@ -7,10 +7,6 @@ divisible by the rollout EP, ETP > 1, PP with uneven stages, redundant experts).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -165,18 +161,12 @@ def test_non_divisible_expert_parallel_and_etp2_are_planned_at_the_minimum():
 
 
 def test_the_same_plan_in_another_interpreter():
-    shape = MoEShape(num_layers=6, num_experts=8, hidden=8, ffn_hidden=8, moe_layers=(1, 2, 3, 5))
-    training = TrainingLayout(tp=2, pp=2, ep=2, etp=2, layer_stages=(0, 0, 0, 1, 1, 1))
-    rollout = RolloutLayout.round_robin(1, 8, 8)
-    here = plan(shape, training, rollout, bucket_bytes=300, ranks_per_node=4).digest()
-    code = ("from ascend_rl_plugins.features.moe_reshard.layout import *;"
-            "from ascend_rl_plugins.features.moe_reshard.planner import plan;"
-            "print(plan(MoEShape(6, 8, 8, 8, (1, 2, 3, 5)), TrainingLayout(tp=2, pp=2, ep=2, etp=2,"
-            " layer_stages=(0, 0, 0, 1, 1, 1)), RolloutLayout.round_robin(1, 8, 8), bucket_bytes=300,"
-            " ranks_per_node=4).digest())")
-    env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == here
+    from tests.features.moe_reshard import planner_scenario
+    from tests.support.child import run_scenario
+    here = planner_scenario.digest_of_a_pipelined_round_robin_plan()
+    there = run_scenario("tests.features.moe_reshard.planner_scenario", "digest_of_a_pipelined_round_robin_plan",
+                         env={"PYTHONHASHSEED": "12345"})
+    assert there == here
 
 
 def test_oversized_slice_travels_alone():
