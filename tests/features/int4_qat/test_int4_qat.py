@@ -11,30 +11,19 @@ weights quantize to codes/scales that dequantize to the trainer's forward weight
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 import pytest
 
 from ascend_rl_plugins.features import int4_qat as feature
 from tests.support.child import run_group
-from tests.support.stacks import mindspeed_source
+from tests.support.stacks import mindspeed_source, require_installed
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASCEND_RL_AUTOLOAD": "0", "NUMBA_NUM_THREADS": "1"}
 GROUP = 32   # divides every input dimension per partition of the harness model (hidden 64, TP2 shards of 32)
 
 
-def _require_megatron() -> str:
-    try:
-        version("torch")
-        version("numba")
-        return version("megatron-core")
-    except PackageNotFoundError:
-        pytest.skip("torch, numba and megatron-core are not installed in this interpreter (.ci/stack.sh installs them)")
-
-
 @pytest.fixture(scope="module")
 def ranks():
-    _require_megatron()
+    require_installed("torch", "numba", "megatron-core")
     return run_group("tests.features.int4_qat.scenario", "all_layouts", 2, GROUP, env=ENV, timeout=900)
 
 

@@ -13,33 +13,24 @@ checked against vLLM's loader source in test_layout.py.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 import pytest
 
 from tests.support.child import run_group
+from tests.support.stacks import require_installed
 
 SCENARIO = "tests.features.moe_reshard.executor_scenario"
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASCEND_RL_AUTOLOAD": "0"}
 
 
-def _require_megatron() -> None:
-    try:
-        version("torch")
-        version("megatron-core")
-    except PackageNotFoundError:
-        pytest.skip("torch and megatron-core are not installed in this interpreter (.ci/stack.sh installs them)")
-
-
 @pytest.fixture(scope="module")
 def world4():
-    _require_megatron()
+    require_installed("torch", "megatron-core")
     return run_group(SCENARIO, "world4", 4, env=ENV, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def world8():
-    _require_megatron()
+    require_installed("torch", "megatron-core")
     return run_group(SCENARIO, "world8", 8, env=ENV, timeout=900)
 
 
@@ -86,7 +77,7 @@ def test_redundant_expert_is_yielded_once_per_hosted_copy(world4):
 
 def test_plan_error_is_raised_before_any_communication():
     """No process group exists here: an unplannable layout must fail in planning."""
-    _require_megatron()
+    require_installed("torch", "megatron-core")
     import torch
 
     from ascend_rl_plugins.features.moe_reshard.executor import reshard_experts
@@ -103,7 +94,7 @@ def test_plan_error_is_raised_before_any_communication():
 def test_round_k_plus_1_is_in_flight_while_round_k_is_yielded(monkeypatch):
     """Double buffering, observed on rank 0 of a 2-rank layout with the collective replaced by a
     recorder (no process group here; the payload is not checked -- the gloo runs above do that)."""
-    _require_megatron()
+    require_installed("torch", "megatron-core")
     import torch
     import torch.distributed as dist
 

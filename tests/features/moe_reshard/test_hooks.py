@@ -13,30 +13,20 @@ real source (``MegatronEngine.get_per_tensor_param`` exports through Megatron-Br
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 import pytest
 
 from ascend_rl_plugins.features import moe_reshard as feature
 from tests.support.child import run_group
+from tests.support.stacks import require_installed
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASCEND_RL_AUTOLOAD": "0",
        "ASCEND_RL_MOE_RESHARD": "auto"}
 
 
-def _verl() -> str:
-    try:
-        version("torch")
-        version("megatron-core")
-        return version("verl")
-    except PackageNotFoundError:
-        pytest.skip("torch, megatron-core and verl are not installed in this interpreter (.ci/stack.sh)")
-
-
 @pytest.fixture(scope="module")
 def ranks():
-    if not _verl().startswith("0.6."):
-        pytest.skip("the per_tensor_generator hook is for verl 0.6.x (this stack has verl " + _verl() + ")")
+    if not require_installed("torch", "megatron-core", "verl").startswith("0.6."):
+        pytest.skip("the per_tensor_generator hook is for verl 0.6.x (this stack has verl " + require_installed("torch", "megatron-core", "verl") + ")")
     return run_group("tests.features.moe_reshard.verl06_scenario", "stock_vs_patched", 4, 2, env=ENV, timeout=900)
 
 
@@ -91,8 +81,8 @@ def test_grouped_mlp_experts_sync_where_stock_verl_cannot_name_them(ranks):
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    if not _verl().startswith("0.6."):
-        pytest.skip("the hybrid-engine chain is verl 0.6.x's (this stack has verl " + _verl() + ")")
+    if not require_installed("torch", "megatron-core", "verl").startswith("0.6."):
+        pytest.skip("the hybrid-engine chain is verl 0.6.x's (this stack has verl " + require_installed("torch", "megatron-core", "verl") + ")")
     from tests.support.child import ENGINE_ENV
     env = {**ENGINE_ENV, **ENV, "ASCEND_RL_MOE_RESHARD": "on"}  # on: a fallback would raise
     out = str(tmp_path_factory.mktemp("moe-reshard-chain"))
