@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         register = getattr(mod, "register_cli", None)
         if register is not None:
             register(sub)
+    from . import selftest
+    selftest.register_cli(sub)
     return parser
 
 

@@ -28,7 +28,8 @@ reload) can register itself there (``SECTIONS["reload"] = fn``) or be run by nam
 ``--sections``.
 
 The slime baselines are this project's own re-implementation of the formulas as the issue
-describes them (no slime code).
+describes them (no slime code), in ``ascend_rl_plugins.features.flashrl.baselines`` so the
+device self-test (``ascend-rl selftest``) measures against the same code.
 """
 
 from __future__ import annotations
@@ -42,51 +43,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ascend_rl_plugins.features.flashrl import block_fp8, int4  # noqa: E402
+from ascend_rl_plugins.features.flashrl import baselines, block_fp8, int4  # noqa: E402
 
 INT4_TARGET = 8.0
 FP8_TARGET = 2.0
 
 
-# -- slime's formulas (baselines) ----------------------------------------------------------
+# -- the baselines: slime's formulas (shared with `ascend-rl selftest`) ---------------------
 
-def slime_int4_quantize_pack(w: torch.Tensor, group: int):
-    """slime-style INT4 rollout quantization, plainly in torch: float32 scale amax/7, divide,
-    round, clamp +-7, int8 codes, then compressed-tensors-style packing (offset 8, shift, sum)."""
-    x = w.float().reshape(w.shape[0], -1, group)
-    scale = x.abs().amax(dim=-1, keepdim=True) / 7.0
-    scale = scale.clamp(min=1e-8)
-    q = torch.round(x / scale).clamp(-7, 7).to(torch.int8).reshape(w.shape)
-    u = (q + 8).to(torch.int32).reshape(w.shape[0], -1, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    packed = (u << shifts).sum(dim=-1, dtype=torch.int32)
-    return packed, scale.squeeze(-1).to(torch.bfloat16)
-
-
-def slime_fake_quant(w: torch.Tensor, group: int):
-    """slime-style STE fake quantization (training forward): float32 amax/7, divide, round,
-    clamp, multiply back, straight-through estimator."""
-    x = w.float().reshape(w.shape[0], -1, group)
-    scale = x.abs().amax(dim=-1, keepdim=True) / 7.0
-    scale = scale.clamp(min=1e-8)
-    q = torch.round(x / scale).clamp(-7, 7) * scale
-    q = q.reshape(w.shape).to(w.dtype)
-    return w + (q - w).detach()
-
-
-def slime_block_fp8(w: torch.Tensor, block=(128, 128)):
-    """slime / DeepGEMM block FP8 cast: zero-padded float32 copy, amax clamped at 1e-4,
-    multiply by the reciprocal scale, cast."""
-    m, n = w.shape
-    bm, bn = block
-    pm, pn = -(-m // bm) * bm, -(-n // bn) * bn
-    x = torch.zeros((pm, pn), dtype=w.dtype)
-    x[:m, :n] = w
-    v = x.view(pm // bm, bm, pn // bn, bn)
-    amax = v.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
-    sf = amax / 448.0
-    q = (v * (1.0 / sf)).to(torch.float8_e4m3fn)
-    return q.view(pm, pn)[:m, :n].contiguous(), sf.view(pm // bm, pn // bn)
+slime_int4_quantize_pack = baselines.slime_int4_quantize_pack
+slime_fake_quant = baselines.slime_fake_quant
+slime_block_fp8 = baselines.slime_block_fp8
 
 
 # -- measurement ---------------------------------------------------------------------------

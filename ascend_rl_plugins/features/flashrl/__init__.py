@@ -63,6 +63,15 @@ INT4_PRESET = flags.define(
     "scale = amax/7.5, codes -8..7) or 'slime' (scale = bf16(amax/7), codes -7..7).",
     choices=("ct", "slime"), feature="flashrl")
 
+DEVICE_FUSED = flags.define(
+    "ASCEND_RL_FLASHRL_DEVICE_FUSED", "enum", "auto",
+    "Quantizers on an accelerator (FlashRL reload, INT4 QAT fake quantization): 'auto' runs the torch.compile'd "
+    "one-kernel form where inductor generates code for the device (cuda, xpu), after checking it once per process "
+    "bit for bit against the eager torch path (a mismatch warns and falls back); 'on' requires it (a failure "
+    "raises); 'off' always takes the eager torch path. Same bits in every case; NPUs take the eager path under "
+    "'auto'. CPUs always use the numba kernels.",
+    choices=("auto", "on", "off"), feature="flashrl")
+
 FEATURE = Feature("flashrl", "INT8/FP8 W8A8 and W4A16 rollout with online-quantized weight reload (FlashRL)",
                   flag=CONFIG,
                   replaces="Qwen3 RL recipe docs 000/001 (FlashRL: flash-llm-rl profile/setup, FLASHRL_CONFIG); "
@@ -306,3 +315,10 @@ def _flashrl_ascend_block_fp8(instance, args, kwargs):
     from .hooks import ascend_refuse_block_fp8
     ascend_refuse_block_fp8(config)
     return None
+
+
+def selftest_checks(ctx):
+    """``ascend-rl selftest``: every quantizer on the device vs the CPU kernels, bit for bit; speed
+    vs the formulas they replace; refusal of non-finite weights (:mod:`.device_checks`)."""
+    from .device_checks import run
+    return run(ctx)

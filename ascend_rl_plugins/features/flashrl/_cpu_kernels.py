@@ -7,7 +7,9 @@ allocation per row). The float32 operations and their order are the torch path's
 (``(w * col) * gain``, ``/ scale``, round half to even, clamp), so the results are
 identical. The absolute maximum is taken on the float32 bit patterns with the sign bit
 cleared: for non-NaN values their unsigned order is the float order, and an integer max
-vectorizes where a float max reduction does not (NaNs are skipped, as before).
+vectorizes where a float max reduction does not. A NaN's bits exceed infinity's, so a NaN
+wins the max like torch's reduction propagates it: the row's scale is NaN and the caller
+refuses the weight (``device_math.require_finite``).
 
 Exact int8 reductions (:func:`int8_row_sums`): the sum of each row of an int8 matrix, in
 int32, returned as float32 -- identical to torch's float32 sum as long as every partial
@@ -29,7 +31,7 @@ from .quant import MIN_SCALE, QMAX
 def _finish_row(f, am, out_row, min_amax):
     """Round the scaled row ``f`` (float32) to int8 with the scale of its |max| bits ``am``."""
     amax = np.uint32(am).view(np.float32)
-    if not amax >= min_amax:
+    if amax < min_amax:  # a NaN stays NaN: the caller refuses the weight
         amax = min_amax
     s = amax / np.float32(QMAX)
     qmax = np.float32(127.0)
@@ -69,8 +71,7 @@ def _quantize_rows(w, col, gain, out, scale, min_amax, chunks):
             for c in range(k):
                 v = _as_float32(w[r, c]) * col[c] * g
                 f[c] = v
-                m = np.float32(v).view(np.uint32) & np.uint32(0x7FFFFFFF)
-                am = max(am, m if m <= np.uint32(0x7F800000) else np.uint32(0))
+                am = max(am, np.float32(v).view(np.uint32) & np.uint32(0x7FFFFFFF))
             scale[r] = _finish_row(f, am, out[r], min_amax)
 
 

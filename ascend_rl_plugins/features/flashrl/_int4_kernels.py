@@ -11,7 +11,8 @@ copies of it).
 Bit identity with the torch path rests on doing the same float32 operations in the same
 order and rounding to bf16 where torch does: torch evaluates ``bf16 / x`` as a float32
 division followed by one round-to-nearest-even to bf16, which :func:`_round_bf16`
-reproduces on the bit pattern (finite values; weights are assumed finite).
+reproduces on the bit pattern. A NaN or infinite weight makes its group's scale NaN/inf (the
+integer max lets NaN bits win), which the callers check and refuse.
 """
 
 from __future__ import annotations
@@ -152,23 +153,28 @@ def _quantize_packed(w, scale, packed, g, divisor, round_scale, round_q, eps, qm
 
 
 @nb.njit(parallel=True, cache=True)
-def _fake_quantize(w, out, g, divisor, round_scale, round_q, eps, qmin, qmax, round_deq, chunks):
+def _fake_quantize(w, out, g, divisor, round_scale, round_q, eps, qmin, qmax, round_deq, chunks, nonfinite):
     """``codes * scale`` (rounded to bf16 when the scale is bf16, as torch's bf16 multiply
-    does) written in the weight's dtype: quantize and dequantize fused, no codes stored."""
+    does) written in the weight's dtype: quantize and dequantize fused, no codes stored.
+    ``nonfinite[chunk]`` counts the groups of the chunk whose scale is NaN or infinite."""
     n, k = w.shape
     chunks = max(1, min(n, chunks))
     for ci in nb.prange(chunks):
         buf = np.empty(g, np.float32)
+        bad = 0
         for r in range(ci * n // chunks, (ci + 1) * n // chunks):
             for gi in range(k // g):
                 c0 = gi * g
                 s = _group_scale(w, r, c0, g, divisor, round_scale, eps)
+                if not np.abs(s) < np.inf:
+                    bad += 1
                 _group_codes(w, r, c0, g, s, round_q, qmin, qmax, buf)
                 for c in range(g):
                     d = buf[c] * s
                     if round_deq:
                         d = _round_bf16(d)
                     _store_bf16_exact(out, r, c0 + c, d)
+        nonfinite[ci] = bad
 
 
 def _params(weight, spec):
@@ -275,8 +281,10 @@ def block_fp8_cpu(weight, bn, bk, out_weight, out_scale_inv):
     return out_weight, out_scale_inv
 
 
-def fake_quantize_cpu(weight, spec):
-    """``dequantize(*quantize(weight))`` in ``weight.dtype`` for CPU bf16/float32 weights, fused."""
+def fake_quantize_cpu(weight, spec, *, name=None):
+    """``dequantize(*quantize(weight))`` in ``weight.dtype`` for CPU bf16/float32 weights, fused.
+    A NaN/inf weight raises :class:`~.device_math.NonFiniteWeightError` naming ``name``."""
+    from .device_math import refuse_nonfinite
     from .int4 import _check
     sh = _check(weight, spec)
     out = torch.empty(weight.shape, dtype=weight.dtype)
@@ -284,6 +292,9 @@ def fake_quantize_cpu(weight, spec):
         divisor, scale_bf16, round_q, eps, qmin, qmax = _params(weight, spec)
         dst = out.view(sh.rows, sh.cols)
         dst = dst.view(torch.int16).numpy().view(np.uint16) if out.dtype == torch.bfloat16 else dst.numpy()
+        nonfinite = np.zeros(max(1, min(sh.rows, _CHUNKS)), np.int64)
         _fake_quantize(_source(weight, sh.rows, sh.cols), dst, spec.group_size, divisor, scale_bf16, round_q, eps,
-                       qmin, qmax, scale_bf16, _CHUNKS)
+                       qmin, qmax, scale_bf16, _CHUNKS, nonfinite)
+        if nonfinite.any():
+            refuse_nonfinite("INT4 quantization", name, f"{int(nonfinite.sum())} of {sh.rows * sh.groups} groups")
     return out

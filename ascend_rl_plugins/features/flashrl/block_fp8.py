@@ -20,14 +20,19 @@ the division is used here so the codes are compressed-tensors', and the scale th
 engine multiplies back is exactly the stored one.
 
 On CPU a numba kernel (``_int4_kernels.block_fp8_cpu``) does two passes per
-block with no full-size temporaries; the blocked torch path is bit-identical (tested).
+block with no full-size temporaries; on an accelerator a compiled one-kernel form
+(:mod:`.fused`, weights made of whole blocks) does; the blocked torch path is bit-identical
+to both (tested). The division by 448 divides by a device tensor (:mod:`.device_math`). A
+NaN/inf weight is refused (:class:`~.device_math.NonFiniteWeightError`, naming the tensor).
 """
 
 from __future__ import annotations
 
+from . import device_math
+
 BLOCK = (128, 128)
 FP8_MAX = 448.0
-DEFAULT_BLOCK_BYTES = 16 << 20
+DEFAULT_BLOCK_BYTES = device_math.CPU_BLOCK_BYTES  # torch path on CPU; accelerators: block_bytes_for
 _F32_EPS = 2.0 ** -23
 
 
@@ -58,28 +63,69 @@ def _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv):
     return out_weight, out_scale_inv
 
 
-def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None):
+def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None, name: str | None = None):
     """``(float8_e4m3fn [out, in], scale_inv float32 [ceil(out/bn), ceil(in/bk)])``.
-    ``out_*`` are written in place when given. CPU -> numba kernel; otherwise torch."""
+    ``out_*`` are written in place when given. CPU -> numba kernel; accelerator -> compiled
+    kernel (:mod:`.fused`) where verified and the weight is whole blocks; otherwise torch."""
     import torch
     n, k, bn, bk, nb, kb = _check(weight, block)
     if (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and all(o is None or (o.device.type == "cpu" and o.is_contiguous()) for o in (out_weight, out_scale_inv))):
         from . import _int4_kernels
         out_weight, out_scale_inv = _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv)
-        return _int4_kernels.block_fp8_cpu(weight, bn, bk, out_weight, out_scale_inv)
-    return quantize_torch(weight, block, out_weight=out_weight, out_scale_inv=out_scale_inv)
+        _int4_kernels.block_fp8_cpu(weight, bn, bk, out_weight, out_scale_inv)
+    elif n % bn == 0 and k % bk == 0 and _fused_usable(weight, bn, bk):
+        out_weight, out_scale_inv = _fused(weight, bn, bk, out_weight, out_scale_inv)
+    else:
+        return quantize_torch(weight, block, out_weight=out_weight, out_scale_inv=out_scale_inv, name=name)
+    device_math.require_finite(out_scale_inv, "block FP8 quantization", name)
+    return out_weight, out_scale_inv
+
+
+def _fused_usable(weight, bn: int, bk: int) -> bool:
+    import torch
+    from . import fused
+    if weight.dtype not in (torch.bfloat16, torch.float32) or not fused.wanted(weight.device):
+        return False
+
+    def check():
+        probe = fused.probe_weight(weight.device, weight.dtype, rows=3 * bn, cols=8 * bk)
+        return all(map(fused.same_bits, _fused(probe, bn, bk, None, None), quantize_torch(probe, (bn, bk))))
+    return fused.verified(f"block_fp8 {bn}x{bk}", weight.device, weight.dtype, check)
+
+
+def _fused(weight, bn: int, bk: int, out_weight, out_scale_inv):
+    """:func:`.fused.block_fp8_formula` over the weight: one call when the result is returned,
+    else strips of whole block rows (about the device block size of output) copied into place."""
+    import torch
+    from . import fused
+    n, k = weight.shape
+    fn = fused.compiled("block_fp8", (str(weight.dtype), k), bn=bn, bk=bk)
+    fp8_max = fused.scalar(FP8_MAX, weight.device)
+    eps = fused.scalar(_F32_EPS, weight.device, torch.float32)
+    if out_weight is None and out_scale_inv is None and n:
+        return fn(weight, fp8_max, eps)
+    out_weight, out_scale_inv = _outputs(weight, n, k, n // bn, k // bk, out_weight, out_scale_inv)
+    step = max(1, device_math.block_bytes_for(weight.device) // max(1, k * bn))  # block rows per call
+    for i0 in range(0, n // bn, step):
+        i1 = min(n // bn, i0 + step)
+        q, s = fn(weight[i0 * bn: i1 * bn], fp8_max, eps)
+        out_weight[i0 * bn: i1 * bn].copy_(q)
+        out_scale_inv[i0:i1].copy_(s)
+    return out_weight, out_scale_inv
 
 
 def quantize_torch(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None,
-                   block_bytes: int = DEFAULT_BLOCK_BYTES):
+                   block_bytes: int | None = None, name: str | None = None):
     """Device-agnostic torch implementation of :func:`quantize`: a few rows of blocks at a
-    time (about ``block_bytes`` of float32 -- per-op overhead dominates below a few MiB),
-    so the extra memory stays bounded whatever the size of the weight."""
+    time (about ``block_bytes`` of float32 -- per-op overhead dominates below a few MiB on
+    CPU; 512 MiB on an accelerator), so the extra memory stays bounded whatever the size of
+    the weight."""
     import torch
     n, k, bn, bk, nb, kb = _check(weight, block)
     out_weight, out_scale_inv = _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv)
-    step = max(1, block_bytes // (4 * kb * bk * bn))  # rows of blocks per step
+    step = max(1, device_math.block_bytes_for(weight.device, block_bytes) // (4 * kb * bk * bn))
+    fp8_max = device_math.constant(FP8_MAX, weight)
     with torch.no_grad():
         for i0 in range(0, nb, step):
             i1 = min(nb, i0 + step)
@@ -88,11 +134,12 @@ def quantize_torch(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None,
             if (r1 - r0) % bn or k % bk:  # zero padding to whole blocks (no block's amax changes)
                 strip = torch.nn.functional.pad(strip, (0, kb * bk - k, 0, (i1 - i0) * bn - (r1 - r0)))
             blocks = strip.view(i1 - i0, bn, kb, bk)
-            s = blocks.abs().amax(dim=3).amax(dim=1).div_(FP8_MAX)  # [rows of blocks, kb]
+            s = blocks.abs().amax(dim=3).amax(dim=1).div_(fp8_max)  # [rows of blocks, kb]
             s = torch.where(s == 0, torch.full_like(s, _F32_EPS), s)
             out_scale_inv[i0:i1].copy_(s)
             q = blocks.div_(s.view(i1 - i0, 1, kb, 1)).clamp_(-FP8_MAX, FP8_MAX).add_(0.0)
             out_weight[r0:r1].copy_(q.view((i1 - i0) * bn, kb * bk)[: r1 - r0, :k])
+    device_math.require_finite(out_scale_inv, "block FP8 quantization", name)
     return out_weight, out_scale_inv
 
 

@@ -178,7 +178,7 @@ def quantize_checkpoint_w4a16(src_dir: str, dst_dir: str, *, group_size: int = 1
     for name, t in tensors.items():
         if name in selected:
             base = name[: -len(".weight")]
-            packed, scale = quantize_pack(t, spec)
+            packed, scale = quantize_pack(t, spec, name=name)
             out[base + ".weight_packed"] = packed
             out[base + ".weight_scale"] = scale
             out[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
@@ -225,7 +225,7 @@ def quantize_checkpoint_fp8_block(src_dir: str, dst_dir: str, *, fmt: str = "fp8
     out = {}
     for name, t in tensors.items():
         if name in selected:
-            q, s = block_fp8.quantize(t, block_fp8.BLOCK)
+            q, s = block_fp8.quantize(t, block_fp8.BLOCK, name=name)
             out[name] = q
             out[name[: -len(".weight")] + scale_name] = s
         else:

@@ -41,20 +41,27 @@ the input dimension). Leading dimensions (MoE ``[experts, out, in]``) are kept.
 
 On CPU, bf16/float32 weights go through fused numba kernels (:mod:`._int4_kernels`):
 one pass per group, no full-size temporaries; the torch path (any device, any float
-dtype; fp16 always takes it) is bit-identical to them (tested). Weights are assumed
-finite. ``torch`` is imported lazily so importing the
-feature stays cheap.
+dtype; fp16 always takes it) is bit-identical to them (tested). On an accelerator, bf16 and
+float32 weights take the compiled one-kernel form of the same math (:mod:`.fused`), checked
+against the torch path at first use. Divisions by a constant divide by a device tensor
+(:mod:`.device_math`), so no path depends on how a device divides by a host scalar. A NaN
+or infinite weight is refused (:class:`~.device_math.NonFiniteWeightError`, naming the
+tensor) by every entry point. ``torch`` is imported lazily so importing the feature stays
+cheap.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+
+from . import device_math
+
 PRESETS = ("ct", "slime")
 GROUP_SIZES = (32, 64, 128)
 PACK_FACTOR = 8  # int4 codes per int32
 NUM_BITS = 4
-DEFAULT_BLOCK_BYTES = 16 << 20  # torch path: float32 working set per block of rows
+DEFAULT_BLOCK_BYTES = device_math.CPU_BLOCK_BYTES  # torch path on CPU; accelerators: block_bytes_for
 
 
 @dataclass(frozen=True)
@@ -134,12 +141,13 @@ def _scales_torch(w2, spec: Int4Spec, groups: int):
     """Scales of a 2-D ``[rows, cols]`` weight, in the stored dtype (see module docstring)."""
     import torch
     g = w2.reshape(w2.shape[0], groups, spec.group_size)
+    divisor = device_math.constant(spec.divisor, w2)  # a device tensor: IEEE division everywhere
     if spec.preset == "ct":
         amax = g.abs().amax(dim=-1)  # exact in the weight dtype
-        s = amax / spec.divisor  # rounded once to the weight dtype (torch divides in float32)
+        s = amax / divisor  # rounded once to the weight dtype (torch divides in float32)
     else:
         amax = g.float().abs().amax(dim=-1)
-        s = (amax / spec.divisor).to(torch.bfloat16)
+        s = (amax / divisor).to(torch.bfloat16)
     return torch.where(s == 0, torch.full_like(s, torch.finfo(s.dtype).eps), s)
 
 
@@ -160,7 +168,7 @@ def _blocks(rows: int, cols: int, block_bytes: int):
 
 
 def quantize_torch(weight, spec: Int4Spec, *, out_codes=None, out_scale=None,
-                   block_bytes: int = DEFAULT_BLOCK_BYTES):
+                   block_bytes: int | None = None, name: str | None = None):
     """Device-agnostic torch implementation of :func:`quantize` (row blocks of about
     ``block_bytes`` of float32, so the extra memory stays bounded)."""
     import torch
@@ -176,16 +184,17 @@ def quantize_torch(weight, spec: Int4Spec, *, out_codes=None, out_scale=None,
     c2 = codes.view(sh.rows, sh.cols)
     s2 = scale.view(sh.rows, sh.groups)
     with torch.no_grad():
-        for r0, r1 in _blocks(sh.rows, sh.cols, block_bytes):
+        for r0, r1 in _blocks(sh.rows, sh.cols, device_math.block_bytes_for(weight.device, block_bytes)):
             s = _scales_torch(w2[r0:r1], spec, sh.groups)
             s2[r0:r1].copy_(s)
             c2[r0:r1].copy_(_codes_torch(w2[r0:r1], s, spec, sh.groups))
+    device_math.require_finite(scale, "INT4 quantization", name)
     return codes, scale
 
 
 # ---------------------------------------------------------------- public API
 
-def scales(weight, spec: Int4Spec):
+def scales(weight, spec: Int4Spec, *, name: str | None = None):
     """The stored per-group scales ``[..., out, in / G]``.
 
     dtype: ``ct`` -> ``weight.dtype`` (the model dtype, as compressed-tensors stores
@@ -196,17 +205,23 @@ def scales(weight, spec: Int4Spec):
     sh = _check(weight, spec)
     with torch.no_grad():
         s = _scales_torch(weight.detach().reshape(sh.rows, sh.cols), spec, sh.groups)
+    device_math.require_finite(s, "INT4 quantization", name)
     return s.reshape(sh.lead + (sh.groups,))
 
 
-def quantize(weight, spec: Int4Spec, *, out_codes=None, out_scale=None):
+def quantize(weight, spec: Int4Spec, *, out_codes=None, out_scale=None, name: str | None = None):
     """``(codes int8 [..., out, in], scale [..., out, in / G])``; codes are computed from
     the STORED scale. ``out_codes`` / ``out_scale`` are written in place when given (e.g.
-    a parameter's storage). CPU bf16/float32 -> fused numba kernel; otherwise torch."""
+    a parameter's storage). CPU bf16/float32 -> fused numba kernel; accelerator bf16/float32
+    -> compiled kernel (:mod:`.fused`) where verified; otherwise torch."""
     if _use_kernel(weight, out_codes, out_scale):
         from . import _int4_kernels
-        return _int4_kernels.quantize_cpu(weight, spec, out_codes=out_codes, out_scale=out_scale)
-    return quantize_torch(weight, spec, out_codes=out_codes, out_scale=out_scale)
+        codes, scale = _int4_kernels.quantize_cpu(weight, spec, out_codes=out_codes, out_scale=out_scale)
+        device_math.require_finite(scale, "INT4 quantization", name)
+        return codes, scale
+    if _fused_usable(weight, spec):
+        return _fused_blocks(weight, spec, "codes", out_codes, out_scale, name)
+    return quantize_torch(weight, spec, out_codes=out_codes, out_scale=out_scale, name=name)
 
 
 def pack(codes):
@@ -261,37 +276,45 @@ def dequantize(codes, scale, spec: Int4Spec):
     return (q * scale.unsqueeze(-1)).reshape(codes.shape)
 
 
-def fake_quantize(weight, spec: Int4Spec):
+def fake_quantize(weight, spec: Int4Spec, *, name: str | None = None):
     """``dequantize(*quantize(weight))`` in ``weight.dtype``: the QAT forward weight,
     bit-equal to what the engine dequantizes from the packed checkpoint. No autograd graph
-    is built (wrap it in a straight-through estimator: ``w + (fake_quantize(w) - w).detach()``)."""
+    is built (wrap it in a straight-through estimator: ``w + (fake_quantize(w) - w).detach()``).
+    CPU -> fused numba kernel; accelerator -> compiled kernel (:mod:`.fused`) where verified."""
     w = weight.detach()
     if _use_kernel(w):
         from . import _int4_kernels
-        return _int4_kernels.fake_quantize_cpu(w, spec)
-    return fake_quantize_torch(w, spec)
+        return _int4_kernels.fake_quantize_cpu(w, spec, name=name)
+    if _fused_usable(w, spec):
+        return _fused_blocks(w, spec, "fake", None, None, name)
+    return fake_quantize_torch(w, spec, name=name)
 
 
-def fake_quantize_torch(weight, spec: Int4Spec):
+def fake_quantize_torch(weight, spec: Int4Spec, *, name: str | None = None):
     """Torch implementation of :func:`fake_quantize` (any device, any float dtype)."""
     import torch
     with torch.no_grad():
-        codes, scale = quantize_torch(weight.detach(), spec)
+        codes, scale = quantize_torch(weight.detach(), spec, name=name)
         return dequantize(codes, scale, spec).to(weight.dtype)
 
 
-def quantize_pack(weight, spec: Int4Spec, *, out_packed=None, out_scale=None):
+def quantize_pack(weight, spec: Int4Spec, *, out_packed=None, out_scale=None, name: str | None = None):
     """``(packed int32 [..., out, in / 8], scale [..., out, in / G])`` -- bit-identical to
     ``pack(quantize(weight, spec)[0])`` -- the fused fast path used by reload (numba kernel
-    on CPU for bf16/float32; torch elsewhere). ``out_*`` are written in place when given."""
+    on CPU for bf16/float32; the compiled kernel of :mod:`.fused` on an accelerator where
+    verified; torch elsewhere). ``out_*`` are written in place when given."""
     if _use_kernel(weight, out_packed, out_scale):
         from . import _int4_kernels
-        return _int4_kernels.quantize_pack_cpu(weight, spec, out_packed=out_packed, out_scale=out_scale)
-    return quantize_pack_torch(weight, spec, out_packed=out_packed, out_scale=out_scale)
+        packed, scale = _int4_kernels.quantize_pack_cpu(weight, spec, out_packed=out_packed, out_scale=out_scale)
+        device_math.require_finite(scale, "INT4 quantization", name)
+        return packed, scale
+    if _fused_usable(weight, spec):
+        return _fused_blocks(weight, spec, "packed", out_packed, out_scale, name)
+    return quantize_pack_torch(weight, spec, out_packed=out_packed, out_scale=out_scale, name=name)
 
 
 def quantize_pack_torch(weight, spec: Int4Spec, *, out_packed=None, out_scale=None,
-                        block_bytes: int = DEFAULT_BLOCK_BYTES):
+                        block_bytes: int | None = None, name: str | None = None):
     """Torch implementation of :func:`quantize_pack` (row blocks; any device)."""
     import torch
     sh = _check(weight, spec)
@@ -307,8 +330,76 @@ def quantize_pack_torch(weight, spec: Int4Spec, *, out_packed=None, out_scale=No
     p2 = packed.view(sh.rows, words)
     s2 = scale.view(sh.rows, sh.groups)
     with torch.no_grad():
-        for r0, r1 in _blocks(sh.rows, sh.cols, block_bytes):
+        for r0, r1 in _blocks(sh.rows, sh.cols, device_math.block_bytes_for(weight.device, block_bytes)):
             s = _scales_torch(w2[r0:r1], spec, sh.groups)
             s2[r0:r1].copy_(s)
             p2[r0:r1].copy_(pack(_codes_torch(w2[r0:r1], s, spec, sh.groups).to(torch.int8)))
+    device_math.require_finite(scale, "INT4 quantization", name)
     return packed, scale
+
+
+# ---------------------------------------------------------------- compiled path (accelerators)
+
+def _fused_usable(weight, spec: Int4Spec) -> bool:
+    """bf16/float32 weight on an accelerator whose compiled INT4 kernel passed its first-use
+    check (against :func:`quantize_pack_torch` and :func:`fake_quantize_torch` on a probe)."""
+    import torch
+    from . import fused
+    if weight.dtype not in (torch.bfloat16, torch.float32) or not fused.wanted(weight.device):
+        return False
+    _check(weight, spec)
+
+    def check():
+        probe = fused.probe_weight(weight.device, weight.dtype)
+        return (all(map(fused.same_bits, _fused_blocks(probe, spec, "packed", None, None, None),
+                        quantize_pack_torch(probe, spec)))
+                and all(map(fused.same_bits, _fused_blocks(probe, spec, "codes", None, None, None),
+                            quantize_torch(probe, spec)))
+                and fused.same_bits(_fused_blocks(probe, spec, "fake", None, None, None),
+                                    fake_quantize_torch(probe, spec)))
+    return fused.verified(f"int4 {spec.preset} g{spec.group_size}", weight.device, weight.dtype, check)
+
+
+def _fused_blocks(weight, spec: Int4Spec, output: str, out_main, out_scale, name):
+    """Run :func:`.fused.int4_formula` over the weight: in one call when the result is returned,
+    else in row blocks whose temporary output is about the device block size, copied into
+    ``out_main`` / ``out_scale``."""
+    import torch
+    from . import fused
+    sh = _check(weight, spec)
+    w2 = weight.detach().reshape(sh.rows, sh.cols)
+    ct, bf16 = spec.preset == "ct", weight.dtype == torch.bfloat16
+    sdt = spec.scale_dtype(weight.dtype)
+    divisor = fused.scalar(spec.divisor, weight.device)
+    eps = fused.scalar(torch.finfo(sdt).eps, weight.device, torch.float32)
+    fn = fused.compiled("int4", (str(weight.dtype), sh.cols), group=spec.group_size, ct=ct, bf16_weight=bf16, qmin=float(spec.qmin),
+                        output=output)
+    args = (divisor, eps)
+    if output == "fake":
+        if not sh.rows:
+            return torch.empty_like(weight)
+        out, s = fn(w2, *args)
+        device_math.require_finite(s, "INT4 quantization", name)
+        return out.reshape(weight.shape)
+    width = sh.cols // PACK_FACTOR if output == "packed" else sh.cols
+    main_dtype = torch.int32 if output == "packed" else torch.int8
+    whole = out_main is None and out_scale is None
+    if whole and sh.rows:
+        main, scale = fn(w2, *args)
+        main, scale = main.reshape(sh.lead + (width,)), scale.reshape(sh.lead + (sh.groups,))
+    else:
+        main = out_main if out_main is not None else torch.empty(sh.lead + (width,), dtype=main_dtype,
+                                                                 device=weight.device)
+        scale = out_scale if out_scale is not None else torch.empty(sh.lead + (sh.groups,), dtype=sdt,
+                                                                    device=weight.device)
+        _prepare_out(main, sh.lead + (width,), main_dtype, "out_packed" if output == "packed" else "out_codes")
+        _prepare_out(scale, sh.lead + (sh.groups,), sdt, "out_scale")
+        m2, s2 = main.view(sh.rows, width), scale.view(sh.rows, sh.groups)
+        step = max(1, device_math.block_bytes_for(weight.device) // max(1, 4 * width))
+        for r0 in range(0, sh.rows, step):
+            r1 = min(sh.rows, r0 + step)
+            a, b = fn(w2[r0:r1], *args)
+            m2[r0:r1].copy_(a)
+            s2[r0:r1].copy_(b)
+    device_math.require_finite(scale, "INT4 quantization", name)
+    return main, scale

@@ -200,9 +200,9 @@ class OnlineQuantizer:
     def quantize_linear(self, name: str, weight: torch.Tensor, out=None, scale_out=None):
         if self.dtype == torch.float8_e4m3fn:
             return quant.quantize_fp8_rows(weight, self.profile.col_smooth.get(name), self.profile.row_gain.get(name),
-                                           strategy=self.strategy, out=out, scale_out=scale_out)
+                                           strategy=self.strategy, out=out, scale_out=scale_out, name=name)
         return quant.quantize_int8_rows(weight, self.profile.col_smooth.get(name),
-                                        self.profile.row_gain.get(name), out=out, scale_out=scale_out)
+                                        self.profile.row_gain.get(name), out=out, scale_out=scale_out, name=name)
 
     def transform(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
@@ -268,7 +268,7 @@ class Int4OnlineQuantizer:
 
     def quantize_linear(self, name: str, weight: torch.Tensor, out=None, scale_out=None):
         from .int4 import quantize_pack
-        return quantize_pack(weight, self.spec, out_packed=out, out_scale=scale_out)
+        return quantize_pack(weight, self.spec, out_packed=out, out_scale=scale_out, name=name)
 
     def transform(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

@@ -15,9 +15,11 @@ norm: ``norm' = norm / s_col``) and ``g_row`` a per-output-row gain (used to mov
 ``down_proj``'s input smoothing into ``up_proj``: ``up' = up / s_down``).
 
 The torch path works in row blocks of about ``block_bytes`` of float32, in place, so the
-peak extra memory is one block (at most 16 MiB) whatever the size of the tensor (FlashRL's
-formula materialises several full-size float32 temporaries instead). On CPU a numba
-kernel fuses everything per row (see :mod:`._cpu_kernels`).
+peak extra memory is one block (16 MiB on CPU, up to 512 MiB on an accelerator) whatever the
+size of the tensor (FlashRL's formula materialises several full-size float32 temporaries
+instead). On CPU a numba kernel fuses everything per row (see :mod:`._cpu_kernels`); on an
+accelerator a compiled one-kernel form does (:mod:`.fused`). Divisions by a constant divide
+by a device tensor (:mod:`.device_math`), so the bits do not depend on the device.
 
 FP8 (:func:`quantize_fp8_rows`) follows compressed-tensors FP8 W8A8 ("float-quantized",
 E4M3 ``float8_e4m3fn``, symmetric), as consumed by vLLM's ``CompressedTensorsW8A8Fp8``
@@ -34,62 +36,92 @@ from __future__ import annotations
 
 import torch
 
+from . import device_math
+
 QMAX = 127.0
 # Scales below this are clamped (an all-zero row would otherwise divide by zero); the
 # value is irrelevant for such a row (its int8 weights are 0 either way).
 MIN_SCALE = 1e-10
-DEFAULT_BLOCK_BYTES = 16 << 20  # per-op overhead dominates below a few MiB
+DEFAULT_BLOCK_BYTES = device_math.CPU_BLOCK_BYTES  # CPU; accelerators: device_math.block_bytes_for
 
 
 def _block_rows(n_cols: int, block_bytes: int) -> int:
     return max(1, block_bytes // max(1, 4 * n_cols))
 
 
+def _int8_outputs(weight, out, scale_out):
+    n, k = weight.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    elif out.shape != (n, k) or out.dtype != torch.int8:
+        raise ValueError(f"out must be int8 {tuple(weight.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if scale_out is None:
+        scale_out = torch.empty((n, 1), dtype=torch.float32, device=weight.device)
+    elif scale_out.numel() != n:
+        raise ValueError(f"scale_out must hold {n} scales, got {tuple(scale_out.shape)}")
+    return out, scale_out
+
+
+def _factors(weight, col_smooth, row_gain):
+    n, k = weight.shape
+    col = None if col_smooth is None else col_smooth.to(device=weight.device, dtype=torch.float32).reshape(1, k)
+    gain = None if row_gain is None else row_gain.to(device=weight.device, dtype=torch.float32).reshape(n, 1)
+    return col, gain
+
+
 @torch.no_grad()
 def quantize_int8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
                        row_gain: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                       scale_out: torch.Tensor | None = None,
-                       block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale_out: torch.Tensor | None = None, block_bytes: int | None = None,
+                       name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric INT8 quantization of a 2-D ``[out, in]`` weight.
 
     Returns ``(int8 [out, in], float32 scale [out, 1])``; writes into ``out`` /
     ``scale_out`` when given (e.g. straight into a parameter's storage). On CPU a fused
-    numba kernel (one pass per row, row kept in cache) does the work; elsewhere the
-    blocked torch version does. Both give identical bits (tested).
+    numba kernel (one pass per row, row kept in cache) does the work; on an accelerator the
+    compiled one-kernel form (:mod:`.fused`) where available, else the blocked torch version.
+    All give identical bits (tested). A NaN/inf weight raises
+    :class:`~.device_math.NonFiniteWeightError` naming ``name``.
     """
-    if (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in (torch.bfloat16, torch.float32)
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_int8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    if (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and (out is None or (out.device.type == "cpu" and out.is_contiguous()))
             and (scale_out is None or (scale_out.device.type == "cpu" and scale_out.is_contiguous()))):
         from . import _cpu_kernels
-        return _cpu_kernels.quantize_int8_rows_cpu(weight, col_smooth, row_gain, out=out, scale_out=scale_out)
-    return quantize_int8_rows_torch(weight, col_smooth, row_gain, out=out, scale_out=scale_out,
-                                    block_bytes=block_bytes)
+        out, scale_out = _cpu_kernels.quantize_int8_rows_cpu(weight, col_smooth, row_gain, out=out,
+                                                             scale_out=scale_out)
+    elif weight.dtype in (torch.bfloat16, torch.float32) and _fused_usable("int8_rows", weight):
+        out, scale_out = _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes)
+    else:
+        out, scale_out = _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes)
+    device_math.require_finite(scale_out, "INT8 quantization", name)
+    return out, scale_out
 
 
 @torch.no_grad()
 def quantize_int8_rows_torch(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
                              row_gain: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                             scale_out: torch.Tensor | None = None,
-                             block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-agnostic blocked torch implementation of :func:`quantize_int8_rows`."""
+                             scale_out: torch.Tensor | None = None, block_bytes: int | None = None,
+                             name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-agnostic blocked torch implementation of :func:`quantize_int8_rows` (eager ops)."""
     if weight.dim() != 2:
         raise ValueError(f"quantize_int8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    out, scale_out = _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes)
+    device_math.require_finite(scale_out, "INT8 quantization", name)
+    return out, scale_out
+
+
+def _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes):
     n, k = weight.shape
     device = weight.device
-    if out is None:
-        out = torch.empty((n, k), dtype=torch.int8, device=device)
-    elif out.shape != (n, k) or out.dtype != torch.int8:
-        raise ValueError(f"out must be int8 {tuple(weight.shape)}, got {out.dtype} {tuple(out.shape)}")
-    if scale_out is None:
-        scale_out = torch.empty((n, 1), dtype=torch.float32, device=device)
-    elif scale_out.numel() != n:
-        raise ValueError(f"scale_out must hold {n} scales, got {tuple(scale_out.shape)}")
+    out, scale_out = _int8_outputs(weight, out, scale_out)
     scale_view = scale_out.view(n, 1)
-    col = None if col_smooth is None else col_smooth.to(device=device, dtype=torch.float32).reshape(1, k)
-    gain = None if row_gain is None else row_gain.to(device=device, dtype=torch.float32).reshape(n, 1)
-    rows = _block_rows(k, block_bytes)
+    col, gain = _factors(weight, col_smooth, row_gain)
+    rows = _block_rows(k, device_math.block_bytes_for(device, block_bytes))
     buf = torch.empty((min(rows, n), k), dtype=torch.float32, device=device)
     amax = torch.empty((min(rows, n),), dtype=torch.float32, device=device)
+    qmax = device_math.constant(QMAX, weight)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         b = buf[: r1 - r0]
@@ -100,10 +132,55 @@ def quantize_int8_rows_torch(weight: torch.Tensor, col_smooth: torch.Tensor | No
         if gain is not None:
             b.mul_(gain[r0:r1])
         torch.linalg.vector_norm(b, ord=float("inf"), dim=1, out=a)
-        a.clamp_(min=MIN_SCALE * QMAX).div_(QMAX)
+        a.clamp_(min=MIN_SCALE * QMAX).div_(qmax)
         s = a.unsqueeze(1)
         b.div_(s).round_().clamp_(-128.0, 127.0)
         out[r0:r1].copy_(b)
+        scale_view[r0:r1].copy_(s)
+    return out, scale_out
+
+
+def _fused_usable(kind: str, weight) -> bool:
+    """The compiled form of ``kind`` is wanted on this device and passed its first-use check."""
+    from . import fused
+    if not fused.wanted(weight.device):
+        return False
+
+    def check():
+        probe = fused.probe_weight(weight.device, weight.dtype)
+        if kind == "int8_rows":
+            return all(map(fused.same_bits, _int8_rows_fused(probe, None, None, None, None, None),
+                           _int8_rows_eager(probe, None, None, None, None, None)))
+        return all(map(fused.same_bits, _fp8_rows_fused(probe, None, None, None, None, None),
+                       _fp8_rows_eager(probe, None, None, "channel", None, None, None)))
+    return fused.verified(kind, weight.device, weight.dtype, check)
+
+
+def _fused_rows(n: int, k: int, out_bytes_per_elem: int, block_bytes, device, whole: bool) -> int:
+    """Rows per compiled call: everything at once when the result is returned (the compiled
+    kernel keeps no float32 copy), else blocks whose temporary output is about ``block_bytes``."""
+    if whole:
+        return max(1, n)
+    return max(1, device_math.block_bytes_for(device, block_bytes) // max(1, out_bytes_per_elem * k))
+
+
+def _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
+    from . import fused
+    n, k = weight.shape
+    whole = out is None and scale_out is None
+    out, scale_out = _int8_outputs(weight, out, scale_out)
+    col, gain = _factors(weight, col_smooth, row_gain)
+    fn = fused.compiled("int8_rows", (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
+    qmax = fused.scalar(QMAX, weight.device)
+    min_amax = fused.scalar(MIN_SCALE * QMAX, weight.device, torch.float32)
+    rows = _fused_rows(n, k, 1, block_bytes, weight.device, whole)
+    if whole and n:
+        return fn(weight, col, gain, qmax, min_amax)
+    scale_view = scale_out.view(n, 1)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        codes, s = fn(weight[r0:r1], col, None if gain is None else gain[r0:r1], qmax, min_amax)
+        out[r0:r1].copy_(codes)
         scale_view[r0:r1].copy_(s)
     return out, scale_out
 
@@ -117,35 +194,68 @@ FP8_STRATEGIES = ("channel", "tensor")
 def quantize_fp8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
                       row_gain: torch.Tensor | None = None, *, strategy: str = "channel",
                       out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
-                      block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+                      block_bytes: int | None = None, name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric FP8 E4M3 quantization of a 2-D ``[out, in]`` weight (compressed-tensors layout).
 
     Returns ``(float8_e4m3fn [out, in], float32 scale)`` -- scale ``[out, 1]`` for
     ``strategy="channel"``, ``[1]`` for ``"tensor"``. Works in row blocks of about
     ``block_bytes`` of float32 (two passes for ``"tensor"``: the amax first), so the extra
-    memory is one block whatever the size of the tensor.
+    memory is one block whatever the size of the tensor; ``channel`` on an accelerator takes
+    the compiled form (:mod:`.fused`) where available. A NaN/inf weight raises
+    :class:`~.device_math.NonFiniteWeightError` naming ``name``.
     """
     if strategy not in FP8_STRATEGIES:
         raise ValueError(f"strategy must be one of {FP8_STRATEGIES}, got {strategy!r}")
     if weight.dim() != 2:
         raise ValueError(f"quantize_fp8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    if (strategy == "channel" and weight.dtype in (torch.bfloat16, torch.float32)
+            and _fused_usable("fp8_rows", weight)):
+        out, scale_out = _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes)
+    else:
+        out, scale_out = _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, block_bytes)
+    device_math.require_finite(scale_out, "FP8 quantization", name)
+    return out, scale_out
+
+
+@torch.no_grad()
+def quantize_fp8_rows_torch(weight: torch.Tensor, col_smooth: torch.Tensor | None = None,
+                            row_gain: torch.Tensor | None = None, *, strategy: str = "channel",
+                            out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                            block_bytes: int | None = None, name: str | None = None):
+    """The eager blocked torch path of :func:`quantize_fp8_rows` (never the compiled one)."""
+    if strategy not in FP8_STRATEGIES:
+        raise ValueError(f"strategy must be one of {FP8_STRATEGIES}, got {strategy!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_fp8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    out, scale_out = _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, block_bytes)
+    device_math.require_finite(scale_out, "FP8 quantization", name)
+    return out, scale_out
+
+
+def _fp8_outputs(weight, strategy, out, scale_out):
     n, k = weight.shape
-    device = weight.device
     if out is None:
-        out = torch.empty((n, k), dtype=FP8_DTYPE, device=device)
+        out = torch.empty((n, k), dtype=FP8_DTYPE, device=weight.device)
     elif tuple(out.shape) != (n, k) or out.dtype != FP8_DTYPE:
         raise ValueError(f"out must be float8_e4m3fn {tuple(weight.shape)}, got {out.dtype} {tuple(out.shape)}")
     n_scales = n if strategy == "channel" else 1
     if scale_out is None:
-        scale_out = torch.empty((n, 1) if strategy == "channel" else (1,), dtype=torch.float32, device=device)
+        scale_out = torch.empty((n, 1) if strategy == "channel" else (1,), dtype=torch.float32, device=weight.device)
     elif scale_out.numel() != n_scales or scale_out.dtype != torch.float32:
         raise ValueError(f"scale_out must be float32 with {n_scales} scale(s), got {scale_out.dtype} "
                          f"{tuple(scale_out.shape)}")
-    col = None if col_smooth is None else col_smooth.to(device=device, dtype=torch.float32).reshape(1, k)
-    gain = None if row_gain is None else row_gain.to(device=device, dtype=torch.float32).reshape(n, 1)
-    rows = _block_rows(k, block_bytes)
+    return out, scale_out
+
+
+def _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, block_bytes):
+    n, k = weight.shape
+    device = weight.device
+    out, scale_out = _fp8_outputs(weight, strategy, out, scale_out)
+    col, gain = _factors(weight, col_smooth, row_gain)
+    rows = _block_rows(k, device_math.block_bytes_for(device, block_bytes))
     buf = torch.empty((min(rows, n), k), dtype=torch.float32, device=device)
     eps = torch.finfo(torch.float32).eps
+    fp8_max = device_math.constant(FP8_MAX, weight)
 
     def scaled(r0, r1):
         b = buf[: r1 - r0]
@@ -160,7 +270,7 @@ def quantize_fp8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = No
         amax = torch.zeros((), dtype=torch.float32, device=device)
         for r0 in range(0, n, rows):
             amax = torch.maximum(amax, scaled(r0, min(n, r0 + rows)).abs().amax())
-        s_all = amax / FP8_MAX
+        s_all = amax / fp8_max
         s_all = torch.where(s_all == 0, torch.full_like(s_all, eps), s_all)
         scale_out.view(-1).copy_(s_all.reshape(1))
     scale_view = scale_out.view(-1, 1)
@@ -168,13 +278,34 @@ def quantize_fp8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = No
         r1 = min(n, r0 + rows)
         b = scaled(r0, r1)
         if strategy == "channel":
-            s = b.abs().amax(dim=1, keepdim=True).div_(FP8_MAX)
+            s = b.abs().amax(dim=1, keepdim=True).div_(fp8_max)
             s = torch.where(s == 0, torch.full_like(s, eps), s)
             scale_view[r0:r1].copy_(s)
         else:
             s = scale_view.reshape(1, 1)
         b.div_(s).add_(0.0).clamp_(-FP8_MAX, FP8_MAX)
         out[r0:r1].copy_(b)  # float32 -> float8_e4m3fn: round to nearest even
+    return out, scale_out
+
+
+def _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
+    from . import fused
+    n, k = weight.shape
+    whole = out is None and scale_out is None
+    out, scale_out = _fp8_outputs(weight, "channel", out, scale_out)
+    col, gain = _factors(weight, col_smooth, row_gain)
+    fn = fused.compiled("fp8_rows", (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
+    fp8_max = fused.scalar(FP8_MAX, weight.device)
+    eps = fused.scalar(torch.finfo(torch.float32).eps, weight.device, torch.float32)
+    if whole and n:
+        return fn(weight, col, gain, fp8_max, eps)
+    rows = _fused_rows(n, k, 1, block_bytes, weight.device, False)
+    scale_view = scale_out.view(n, 1)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        q, s = fn(weight[r0:r1], col, None if gain is None else gain[r0:r1], fp8_max, eps)
+        out[r0:r1].copy_(q)
+        scale_view[r0:r1].copy_(s)
     return out, scale_out
 
 

@@ -891,7 +891,7 @@ class BlockFp8DirectWriter:
 
     def quantize_linear(self, name, weight, out=None, scale_out=None):  # (timing wrapper target)
         from . import block_fp8
-        return block_fp8.quantize(weight, block_fp8.BLOCK, out_weight=out, out_scale_inv=scale_out)
+        return block_fp8.quantize(weight, block_fp8.BLOCK, out_weight=out, out_scale_inv=scale_out, name=name)
 
     def transform(self, weights):
         for name, tensor in weights:
@@ -933,7 +933,7 @@ class BlockFp8DirectWriter:
         with torch.no_grad():
             for r0 in range(0, n, step):
                 r1 = min(n, r0 + step)
-                q, sc = self.quantize_linear(None, src[r0:r1])
+                q, sc = self.quantize_linear(f"{rec.name}.{leaf}", src[r0:r1])
                 packed = torch.ops._C.convert_weight_packed(q)
                 del q
                 w.data[off + r0: off + r1].copy_(packed)

@@ -258,3 +258,10 @@ FEATURE.after("megatron.core.transformer.transformer_config:TransformerConfig.__
                      "size == 0); fail when the model is configured, not in the first forward",
               remove_when=REMOVE_WHEN)
 
+
+
+def selftest_checks(ctx):
+    """``ascend-rl selftest``: fake quantization on the device, bit-identical to the CPU kernel and
+    cheap next to the layer's matmul (:mod:`.device_check`)."""
+    from .device_check import run
+    return run(ctx)

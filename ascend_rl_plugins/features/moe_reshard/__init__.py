@@ -148,3 +148,15 @@ def _async_update_weights(wrapped, instance, args, kwargs):
 def _sync_update_weights(wrapped, instance, args, kwargs):
     from . import hooks_verl06
     return hooks_verl06.update_weights(wrapped, instance, args, kwargs)
+
+
+def selftest_checks(ctx):
+    """``ascend-rl selftest``: the executor's pack, exchange and unpack for every rank of several
+    layouts in one process (loopback exchange) on the device: deliveries bit-identical to the
+    reference experts, every buffer on the device (:mod:`.device_check`)."""
+    from ...selftest import CheckResult
+    from .device_check import run
+    r = run(ctx.device, quick=ctx.quick)
+    return [CheckResult("moe_reshard", "executor on the device (all ranks, loopback exchange)", r.ok, r.detail,
+                        {"MB moved": r.bytes_moved / 1e6, "seconds": r.seconds,
+                         "buffers on device": r.buffers_on_device})]

@@ -11,8 +11,9 @@ Per round (identical on every rank, from the plan):
   de-interleave and the transpose to HF ``[out, in]`` happen inside that one copy, no
   intermediate full copy of a parameter;
 * *exchange* -- ``all_to_all_single(recv, send, output_split_sizes, input_split_sizes,
-  async_op=True)``; round ``k+1`` is packed and posted before round ``k`` is waited for and
-  yielded (double buffering); a round with no wire bytes anywhere posts nothing;
+  async_op=True)`` (or a caller's ``exchange`` with the same contract, see
+  :func:`all_to_all_exchange`); round ``k+1`` is packed and posted before round ``k`` is waited
+  for and yielded (double buffering); a round with no wire bytes anywhere posts nothing;
 * *yield* -- the deliveries of this rank in (layer, expert, projection) order:
   ``(hf_expert_name, tensor)``, once per hosted copy. A tensor is a view into the round's
   receive buffer (or, for rows this rank already holds, a view of its own parameter); a need
@@ -41,6 +42,20 @@ def _local_views(local_params: Mapping, shape: MoEShape, training: TrainingLayou
     return views
 
 
+def all_to_all_exchange(recv, send, *, output_split_sizes: list[int], input_split_sizes: list[int], group):
+    """The default exchange: one asynchronous ``all_to_all_single`` over ``group``.
+
+    The exchange is a parameter of the executor so that one process can play every rank of a
+    plan (``device_check`` does, with a loopback that copies between the ranks' buffers on the
+    device) and check packing, unpacking and buffer placement without a process group. Any
+    replacement takes the same arguments and returns an object whose ``wait()`` returns once
+    ``recv`` holds what the other ranks sent (``recv`` is read only after ``wait()``; ``send``
+    is kept alive until then)."""
+    import torch.distributed as dist
+    return dist.all_to_all_single(recv, send, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group, async_op=True)
+
+
 @dataclasses.dataclass
 class _Posted:
     """One round in flight: its buffers, the async work, and where each unit landed."""
@@ -51,9 +66,8 @@ class _Posted:
     offsets: dict          # transfer index -> element offset in recv
 
 
-def _post(p: Plan, k: int, me: int, views: dict, dtype, group) -> _Posted:
+def _post(p: Plan, k: int, me: int, views: dict, dtype, device, group, exchange=None) -> _Posted:
     import torch
-    import torch.distributed as dist
     rd = p.rounds[k]
     shape = p.shape
     row_elems = shape.hidden
@@ -72,7 +86,8 @@ def _post(p: Plan, k: int, me: int, views: dict, dtype, group) -> _Posted:
         if t.dst == me:
             out_splits[t.src] += elems
             mine_in.append(ti)
-    send = torch.empty(sum(in_splits), dtype=dtype)
+    send = torch.empty(sum(in_splits), dtype=dtype, device=device)  # where the parameters are: HCCL/NCCL
+    # take device buffers only, and packing stays a device-to-device copy
     off = 0
     for ti in mine_out:                     # already destination-major (sorted by src, then dst)
         t = p.transfers[ti]
@@ -82,15 +97,15 @@ def _post(p: Plan, k: int, me: int, views: dict, dtype, group) -> _Posted:
         region = send[off:off + n].view(slice_shape(shape, sl.proj, sl.rows))
         region.copy_(narrow_rows(view, sl.proj, sl.lo - shard_lo, sl.hi - shard_lo))
         off += n
-    recv = torch.empty(sum(out_splits), dtype=dtype)
+    recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
     offsets, off = {}, 0
     for ti in mine_in:                      # source-major, the order the sources packed them
         offsets[ti] = off
         off += p.transfers[ti].slice.rows * row_elems
     work = None
     if p._sent[k].sum() > 0:                # some rank moves bytes this round: all must join
-        work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                                      group=group, async_op=True)
+        work = (exchange or all_to_all_exchange)(recv, send, output_split_sizes=out_splits,
+                                                 input_split_sizes=in_splits, group=group)
     return _Posted(k, send, recv, work, offsets)
 
 
@@ -120,7 +135,7 @@ def _deliver(p: Plan, posted: _Posted, me: int, views: dict) -> Iterator[tuple[s
 
 def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout,
                     bucket_bytes: int, group=None, rank: int | None = None, ranks_per_node: int = 16,
-                    dtype=None) -> Iterator[tuple[str, object]]:
+                    dtype=None, device=None, exchange=None) -> Iterator[tuple[str, object]]:
     """Yield, on every rollout rank, ``(hf_expert_name, tensor)`` for exactly the expert slices
     this rank's vLLM loader keeps (see ``layout.rollout_view``), in layer order, once per
     hosted copy.
@@ -129,7 +144,17 @@ def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: Trainin
     numbers (``decoder.layers.{L}.mlp.experts.local_experts.{i}.linear_fc1.weight`` /
     ``...experts.weight1`` / ``...experts.linear_fc1.weight{i}``). Collective over ``group``
     (default WORLD): every rank calls it with the same shape and layouts. A layout the planner
-    cannot serve raises PlanError before any communication (the caller falls back)."""
+    cannot serve raises PlanError before any communication (the caller falls back).
+
+    Send and receive buffers are allocated on ``device`` (default: the device of the local
+    parameters, which must all be on one; a rank without expert parameters uses the CPU
+    unless ``device`` is given): collective backends other than gloo accept device buffers
+    only, and packing from device parameters into host memory would cross PCIe per slice.
+
+    ``exchange`` replaces the collective (default :func:`all_to_all_exchange`, same contract).
+    With an ``exchange`` and no ``group``, torch.distributed is not consulted at all: ``rank``
+    is required and the world is the rollout layout's, so one process can run every rank of a
+    plan against a loopback (``device_check.run``)."""
     import torch
     import torch.distributed as dist
     if dtype is None:
@@ -138,8 +163,19 @@ def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: Trainin
             raise PlanError(f"expert parameters must share one dtype (got {sorted(map(str, dtypes))}); pass dtype=")
         dtype = dtypes.pop()
     shape = dataclasses.replace(shape, dtype_bytes=torch.empty((), dtype=dtype).element_size())
-    world = dist.get_world_size(group) if dist.is_initialized() else rollout.world_size()
-    me = dist.get_rank(group) if rank is None else rank
+    if device is None:
+        devices = {t.device for t in local_params.values()}
+        if len(devices) > 1:
+            raise PlanError(f"expert parameters must be on one device (got {sorted(map(str, devices))}); pass device=")
+        device = devices.pop() if devices else torch.device("cpu")
+    device = torch.device(device)
+    if exchange is not None and group is None:
+        world, me = rollout.world_size(), rank
+        if me is None or not 0 <= me < world:
+            raise ValueError(f"an injected exchange without a group needs rank= in [0, {world}) (got {me})")
+    else:
+        world = dist.get_world_size(group) if dist.is_initialized() else rollout.world_size()
+        me = dist.get_rank(group) if rank is None else rank
     if world != rollout.world_size():
         raise PlanError(f"group has {world} ranks, the rollout layout {rollout.world_size()}")
     the_plan = plan(shape, training, rollout, bucket_bytes=bucket_bytes, ranks_per_node=ranks_per_node)
@@ -152,18 +188,18 @@ def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: Trainin
         missing = sorted(owned - set(views))[0]
         raise PlanError(f"rank {me} lacks expert parameters it owns, e.g. layer {missing[0]} expert {missing[1]} "
                         f"{missing[2]}")
-    return _run(the_plan, me, views, dtype, group)
+    return _run(the_plan, me, views, dtype, device, group, exchange)
 
 
-def _run(p: Plan, me: int, views: dict, dtype, group) -> Iterator[tuple[str, object]]:
+def _run(p: Plan, me: int, views: dict, dtype, device, group, exchange=None) -> Iterator[tuple[str, object]]:
     rounds = len(p.rounds)
     if rounds == 0:
         return
     with _no_grad():
-        current = _post(p, 0, me, views, dtype, group)
+        current = _post(p, 0, me, views, dtype, device, group, exchange)
     for k in range(rounds):
         with _no_grad():
-            following = _post(p, k + 1, me, views, dtype, group) if k + 1 < rounds else None
+            following = _post(p, k + 1, me, views, dtype, device, group, exchange) if k + 1 < rounds else None
         if current.work is not None:
             current.work.wait()
         current.send = None                 # the send buffer is free once the exchange is done
@@ -176,4 +212,4 @@ def _no_grad():
     return torch.no_grad()
 
 
-__all__ = ["reshard_experts", "PlanError", "PROJS"]
+__all__ = ["reshard_experts", "all_to_all_exchange", "PlanError", "PROJS"]

@@ -82,41 +82,67 @@ def all_gather_objects(obj: Any, group) -> list:
     return out
 
 
+def collective_device(group):
+    """The device whose tensors ``group``'s backend exchanges: ``cuda`` (current device) for
+    NCCL, ``npu`` (current device, torch_npu) for HCCL, the CPU for gloo and anything else.
+
+    Why: NCCL and HCCL take device tensors only, and KV blocks already live on the device, so
+    the buffers of an all-to-all belong there (a host round trip would cross PCIe twice). A
+    backend string naming several backends (``"cpu:gloo,cuda:nccl"``) dispatches device
+    tensors to its accelerator backend, so the accelerator is chosen."""
+    import torch
+    backend = str(_dist().get_backend(group)).lower()
+    names = {part.rpartition(":")[2].strip() for part in backend.split(",")}
+    if "nccl" in names:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "hccl" in names:
+        return torch.device("npu", torch.npu.current_device())   # torch.npu: registered by torch_npu
+    return torch.device("cpu")
+
+
 def all_to_all_bytes(chunks: Sequence[bytes | memoryview | Any], group) -> list:
     """All-to-all-v of byte buffers: ``chunks[d]`` goes to group rank ``d``; returns what each
-    rank sent here as uint8 tensors. ``chunks`` items may be bytes or uint8 tensors."""
+    rank sent here as uint8 tensors on the group's :func:`collective_device`. ``chunks`` items
+    may be bytes or uint8 tensors (on any device: they are moved to the collective device, a
+    no-op for KV already there)."""
     import torch
     dist = _dist()
     world = dist.get_world_size(group)
+    device = collective_device(group)
     parts = []
     for c in chunks:
         if isinstance(c, torch.Tensor):
-            parts.append(c.reshape(-1).view(torch.uint8) if c.numel() else
-                         torch.empty(0, dtype=torch.uint8))
+            parts.append(c.reshape(-1).view(torch.uint8).to(device) if c.numel() else
+                         torch.empty(0, dtype=torch.uint8, device=device))
         else:
-            parts.append(torch.frombuffer(bytearray(c), dtype=torch.uint8) if len(c) else
-                         torch.empty(0, dtype=torch.uint8))
+            parts.append(torch.frombuffer(bytearray(c), dtype=torch.uint8).to(device) if len(c) else
+                         torch.empty(0, dtype=torch.uint8, device=device))
     assert len(parts) == world, f"need one chunk per rank ({world}), got {len(parts)}"
-    send_sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+    send_split = [p.numel() for p in parts]
+    send_sizes = torch.tensor(send_split, dtype=torch.int64, device=device)
     recv_sizes = torch.empty_like(send_sizes)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    sends = torch.cat(parts) if send_sizes.sum() else torch.empty(0, dtype=torch.uint8)
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, sends, output_split_sizes=recv_sizes.tolist(),
-                           input_split_sizes=send_sizes.tolist(), group=group)
-    return list(torch.split(recv, recv_sizes.tolist()))
+    recv_split = recv_sizes.tolist()          # one device-to-host read: the sizes size the buffers
+    sends = torch.cat(parts) if sum(send_split) else torch.empty(0, dtype=torch.uint8, device=device)
+    recv = torch.empty(sum(recv_split), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, sends, output_split_sizes=recv_split, input_split_sizes=send_split,
+                           group=group)
+    return list(torch.split(recv, recv_split))
 
 
 def all_to_all_objects(per_rank: Sequence[Any], group) -> list:
-    """All-to-all-v of picklable objects (metadata, acks)."""
+    """All-to-all-v of picklable objects (metadata, acks); the bytes come back to the host to
+    be unpickled (they travel on the collective device like every other buffer)."""
     received = all_to_all_bytes([pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
                                  for o in per_rank], group)
-    return [pickle.loads(t.numpy().tobytes()) for t in received]
+    return [pickle.loads(t.cpu().numpy().tobytes()) for t in received]
 
 
 def _as_bytes(kv) -> Any:
+    """The KV tensor's bytes, where the KV is: ``all_to_all_bytes`` moves them to the
+    collective device (no host round trip when that is the KV's device)."""
     import torch
-    return kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return kv.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _from_bytes(buf, dtype_name: str, shape):

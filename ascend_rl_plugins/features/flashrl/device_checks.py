@@ -1,0 +1,249 @@
+"""FlashRL's device-side checks for ``ascend-rl selftest`` (and the tests that call them).
+
+For each quantizer the rollout reload (and QAT) runs on an accelerator:
+
+* **bit identity**: the public entry point on the device (compiled or eager, whichever this
+  device takes) and the eager torch path on the device, each against the CPU reference (the
+  numba kernel, or the CPU torch path where no kernel exists) on the same input -- codes
+  and scales compared byte for byte;
+* **speed** (bf16, the reload's case): the entry point against the formula it replaces
+  (:mod:`.baselines`), against that formula compiled with ``torch.compile`` ("fused
+  reference"), and against the time a single read of the weight plus a single write of the
+  result takes at the measured copy bandwidth ("limit"); targets: >= 1.5x the formula and
+  within 3x of the fused reference (accelerators only: on a CPU the numba kernels are
+  measured by ``benchmarks/bench_low_precision.py``);
+* **non-finite input**: one NaN and one infinity each give ``NonFiniteWeightError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+FORMULA_TARGET = 1.5
+FUSED_TARGET = 3.0
+
+
+@dataclass(frozen=True)
+class QuantPath:
+    """One quantizer as the self-test drives it: ``ours(w)`` (the public entry point),
+    ``eager(w)`` (the torch path), ``baseline(w)`` (the formula it replaces, or None),
+    ``out_bytes(n, k)`` (bytes of its result, for the bandwidth limit)."""
+    name: str
+    ours: Callable
+    eager: Callable
+    baseline: Callable | None
+    out_bytes: Callable
+
+
+def paths() -> list[QuantPath]:
+    from . import baselines, block_fp8, int4, quant
+    ct, slime = int4.Int4Spec(128, "ct"), int4.Int4Spec(128, "slime")
+    return [
+        QuantPath("INT8 rows (W8A8 reload)", quant.quantize_int8_rows, quant.quantize_int8_rows_torch,
+                  baselines.flashrl_int8_rows, lambda n, k: n * k + 4 * n),
+        QuantPath("FP8 rows, channel (W8A8 FP8 reload)", quant.quantize_fp8_rows,
+                  quant.quantize_fp8_rows_torch, None, lambda n, k: n * k + 4 * n),
+        QuantPath("INT4 pack, ct g128 (W4A16 reload)", lambda w: int4.quantize_pack(w, ct),
+                  lambda w: int4.quantize_pack_torch(w, ct),
+                  lambda w: baselines.slime_int4_quantize_pack(w, 128), lambda n, k: n * k // 2 + 2 * n * k // 128),
+        QuantPath("INT4 pack, slime g128", lambda w: int4.quantize_pack(w, slime),
+                  lambda w: int4.quantize_pack_torch(w, slime),
+                  lambda w: baselines.slime_int4_quantize_pack(w, 128), lambda n, k: n * k // 2 + 2 * n * k // 128),
+        QuantPath("block FP8 128x128", block_fp8.quantize, block_fp8.quantize_torch, baselines.slime_block_fp8,
+                  lambda n, k: n * k + 4 * (n // 128) * (k // 128)),
+    ]
+
+
+def _cpu(result):
+    return tuple(t.cpu() for t in result) if isinstance(result, tuple) else result.cpu()
+
+
+def _same(a, b) -> bool:
+    from .fused import same_bits
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(same_bits(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))
+    return same_bits(a.reshape(-1), b.reshape(-1))
+
+
+def _weight(shape, dtype, device, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g, dtype=torch.float32) * 0.02
+    w[:, :: max(1, shape[1] // 7)] *= 30.0        # a few outlier columns, as real weights have
+    return w.to(dtype).to(device)
+
+
+def _weight_on_device(shape, dtype, device, seed: int):
+    """A large random weight made on the device itself (host RAM and PCIe are not the point)."""
+    import torch
+    if device.type == "cpu":
+        return _weight(shape, dtype, device, seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(shape, generator=g, dtype=torch.float32, device=device).mul_(0.02)
+    w[:, :: max(1, shape[1] // 7)] *= 30.0
+    return w.to(dtype)
+
+
+def identity_checks(ctx, shape, extra_shape) -> list:
+    """Every path on ``ctx.device`` vs the CPU reference, bf16 (the reload's dtype) and the
+    other dtypes the quantizers accept."""
+    import torch
+    from ...selftest import CheckResult
+    from . import block_fp8, int4, quant
+    results = []
+    cases = [(p, torch.bfloat16) for p in paths()]
+    extra = [
+        ("INT8 rows, float32", quant.quantize_int8_rows, quant.quantize_int8_rows_torch, torch.float32),
+        ("INT4 pack, ct g32, float32", lambda w: int4.quantize_pack(w, int4.Int4Spec(32, "ct")),
+         lambda w: int4.quantize_pack_torch(w, int4.Int4Spec(32, "ct")), torch.float32),
+        ("INT4 codes, ct g64, fp16", lambda w: int4.quantize(w, int4.Int4Spec(64, "ct")),
+         lambda w: int4.quantize_torch(w, int4.Int4Spec(64, "ct")), torch.float16),
+        ("INT4 fake-quant, slime g128, float32", lambda w: int4.fake_quantize(w, int4.Int4Spec(128, "slime")),
+         lambda w: int4.fake_quantize_torch(w, int4.Int4Spec(128, "slime")), torch.float32),
+        ("FP8 rows, tensor", lambda w: quant.quantize_fp8_rows(w, strategy="tensor"),
+         lambda w: quant.quantize_fp8_rows(w, strategy="tensor"), torch.bfloat16),
+        ("block FP8, partial edge blocks", block_fp8.quantize, block_fp8.quantize_torch, torch.bfloat16),
+    ]
+    for i, (p, dtype) in enumerate(cases):
+        w = _weight(shape, dtype, ctx.device, seed=100 + i)
+        results.append(_identity_row(p.name, p.ours, p.eager, w, CheckResult))
+    for i, (name, ours, eager, dtype) in enumerate(extra):
+        s = (extra_shape[0] - 37, extra_shape[1] + 96) if "edge" in name else extra_shape
+        w = _weight(s, dtype, ctx.device, seed=200 + i)
+        results.append(_identity_row(name, ours, eager, w, CheckResult))
+    return results
+
+
+def _identity_row(name, ours, eager, w, CheckResult):
+    ref = ours(w.cpu())                    # the CPU kernel (or the CPU torch path: fp16, edge blocks)
+    got = _cpu(ours(w))
+    got_eager = _cpu(eager(w))
+    ok_ours, ok_eager = _same(got, ref), _same(got_eager, ref)
+    detail = "" if ok_ours and ok_eager else (
+        f"entry point {'==' if ok_ours else '!='} CPU reference, eager torch path "
+        f"{'==' if ok_eager else '!='} CPU reference")
+    return CheckResult("flashrl", f"bit identity: {name} {tuple(w.shape)} {str(w.dtype).replace('torch.', '')}",
+                       ok_ours and ok_eager, detail)
+
+
+def nonfinite_checks(ctx) -> list:
+    """Each entry point refuses a weight holding one NaN, and one holding one infinity."""
+    import torch
+    from ...selftest import CheckResult
+    from .device_math import NonFiniteWeightError
+    from . import int4
+    results = []
+    entry_points = [(p.name, p.ours) for p in paths()] + [
+        ("INT4 fake-quant", lambda w: int4.fake_quantize(w, int4.Int4Spec(128, "ct")))]
+    for name, fn in entry_points:
+        for bad in (float("nan"), float("inf")):
+            w = _weight((256, 512), torch.bfloat16, ctx.device, seed=7)
+            w[17, 300] = bad
+            try:
+                fn(w)
+                ok, detail = False, "accepted the weight"
+            except NonFiniteWeightError:
+                ok, detail = True, ""
+            results.append(CheckResult("flashrl", f"refuses {bad}: {name}", ok, detail))
+    return results
+
+
+def speed_checks(ctx, shape) -> list:
+    """bf16 ``shape``: each entry point vs its replaced formula, the compiled formula and the
+    copy-bandwidth limit. Skipped on CPU (see the module docstring)."""
+    import torch
+    from ...selftest import CheckResult
+    if ctx.device.type == "cpu":
+        return [CheckResult("flashrl", "speed vs replaced formulas", None,
+                            "on CPU: benchmarks/bench_low_precision.py measures the numba kernels")]
+    n, k = shape
+    w = _weight_on_device(shape, torch.bfloat16, ctx.device, seed=3)
+    bandwidth = ctx.copy_bandwidth(min(w.numel() * 2, 1 << 30))
+    results = [CheckResult("flashrl", "device copy bandwidth", True, "",
+                           {"GB/s (read + write)": bandwidth / 1e9})]
+    for p in paths():
+        metrics = {}
+        ours_s = ctx.seconds(lambda: p.ours(w))
+        metrics["ours ms"] = ours_s * 1e3
+        limit_s = (w.numel() * 2 + p.out_bytes(n, k)) / bandwidth
+        metrics["limit ms"] = limit_s * 1e3
+        target_met, target = None, ""
+        if p.baseline is not None:
+            base_s = ctx.seconds(lambda: p.baseline(w))
+            metrics["formula ms"] = base_s * 1e3
+            fused_s = _compiled_seconds(ctx, p.baseline, w)
+            if fused_s is not None:
+                metrics["fused formula ms"] = fused_s * 1e3
+            metrics["x formula"] = base_s / ours_s
+            target = f">= {FORMULA_TARGET}x the formula" + (f", <= {FUSED_TARGET}x the fused formula"
+                                                              if fused_s is not None else "")
+            target_met = base_s / ours_s >= FORMULA_TARGET and (fused_s is None or ours_s <= FUSED_TARGET * fused_s)
+        eager_s = ctx.seconds(lambda: p.eager(w), reps=max(3, ctx.reps // 3))
+        metrics["eager torch path ms"] = eager_s * 1e3
+        metrics["x limit"] = ours_s / limit_s
+        results.append(CheckResult("flashrl", f"speed: {p.name} {tuple(shape)} bf16", True, "", metrics,
+                                   target, target_met))
+        torch.cuda.empty_cache() if ctx.device.type == "cuda" else None
+    return results
+
+
+def _compiled_seconds(ctx, formula, w):
+    """Time of ``torch.compile(formula)`` on ``w`` (None where it does not compile)."""
+    try:
+        import torch
+        fn = torch.compile(formula, dynamic=False)
+        return ctx.seconds(lambda: fn(w), warmup=2)
+    except Exception:  # noqa: BLE001 - no compiler for this device: no fused reference
+        return None
+
+
+def scalar_division_row(ctx):
+    """Whether this device evaluates ``tensor / python_number`` differently from a true division
+    (CUDA: a multiply by the float32 reciprocal). Informative: the quantizers never divide by a
+    host scalar, which is why their bits do not depend on the answer."""
+    import torch
+    from ...selftest import CheckResult
+    from .device_math import constant
+    g = torch.Generator().manual_seed(11)
+    x = (torch.rand(1 << 20, generator=g) * 1000).to(ctx.device)
+    host = x / 127.0
+    true = x / constant(127.0, x)
+    differ = int((host != true).sum())
+    return CheckResult("flashrl", "device division by a host scalar (informative)", True,
+                       f"{differ} of {x.numel()} quotients x / 127.0 differ from the IEEE division "
+                       f"(the quantizers divide by device tensors)", {"differing quotients": differ})
+
+
+def run(ctx) -> list:
+    quick = ctx.quick
+    if ctx.device.type == "cpu":
+        id_shape, speed_shape = ((256, 1024) if quick else (2048, 4096)), None
+        extra_shape = id_shape
+    else:
+        id_shape = (4096, 4096) if quick else (393216, 4096)
+        extra_shape = (4096, 4096)
+        speed_shape = (12288, 4096) if quick else (393216, 4096)
+    results = [scalar_division_row(ctx)]
+    results += identity_checks(ctx, id_shape, extra_shape)
+    results += nonfinite_checks(ctx)
+    results += speed_checks(ctx, speed_shape or id_shape)
+    results += compiled_path_rows(ctx)
+    return results
+
+
+def compiled_path_rows(ctx) -> list:
+    """Which quantizers ran compiled on this device, and why the others did not."""
+    from ...selftest import CheckResult
+    from .fused import STATE, mode, wanted
+    if not wanted(ctx.device):
+        return [CheckResult("flashrl", "compiled (fused) quantizers", None,
+                            f"not used on {ctx.device.type} (ASCEND_RL_FLASHRL_DEVICE_FUSED={mode()}; CPUs use the "
+                            f"numba kernels)")]
+    rows = []
+    for (kind, dev, dtype), used in sorted(STATE.verdicts.items()):
+        rows.append(CheckResult("flashrl", f"compiled path: {kind} {dtype.replace('torch.', '')} on {dev}",
+                                True if used else None,
+                                "in use (verified bit-identical to the eager path at first use)" if used else
+                                f"eager fallback: {STATE.reasons.get((kind, dev, dtype), '')}"))
+    return rows

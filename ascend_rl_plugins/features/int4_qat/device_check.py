@@ -1,0 +1,49 @@
+"""INT4 QAT's device-side check for ``ascend-rl selftest``: what the fake quantization costs.
+
+Every forward of a layer under QAT first makes the fake-quantized weight
+(``flashrl.int4.fake_quantize``, the same quantizer the rollout's W4A16 weights come from),
+then multiplies by it. On an accelerator the fake quantization must stay well below the
+matmul it precedes (target: <= 0.3x the forward matmul of a 4096 x 4096 layer over 8192
+tokens), and it must be bit-identical to the CPU kernel (else the trained policy is not the
+rolled-out one).
+"""
+
+from __future__ import annotations
+
+TARGET = 0.3
+
+
+def run(ctx) -> list:
+    import torch
+    from ...selftest import CheckResult
+    from ..flashrl import int4
+    from ..flashrl.fused import same_bits
+    rows = cols = 1024 if (ctx.quick and ctx.device.type == "cpu") else 4096
+    tokens = 2048 if (ctx.quick and ctx.device.type == "cpu") else 8192
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16).to(ctx.device)
+    results = []
+    for preset in ("ct", "slime"):
+        spec = int4.Int4Spec(128, preset)
+        ok = same_bits(int4.fake_quantize(w, spec).cpu(), int4.fake_quantize(w.cpu(), spec))
+        results.append(CheckResult("int4_qat", f"bit identity: fake-quant {preset} g128 ({rows}, {cols}) bf16 vs "
+                                               f"the CPU kernel", ok, "" if ok else "differs from the CPU kernel"))
+    x = (torch.randn(tokens, cols, generator=g) * 0.5).to(torch.bfloat16).to(ctx.device)
+    spec = int4.Int4Spec(128, "ct")
+    fq = ctx.seconds(lambda: int4.fake_quantize(w, spec))
+    mm = ctx.seconds(lambda: torch.nn.functional.linear(x, w))
+    ratio = fq / mm
+    metrics = {"fake-quant ms": fq * 1e3, "matmul ms": mm * 1e3, "ratio": ratio}
+    if int4._fused_usable(w, spec):  # where the time goes: the compiled kernel alone, no finiteness sync
+        from ..flashrl import fused
+        import torch as _torch
+        fn = fused.compiled("int4", (str(w.dtype), cols), group=128, ct=True, bf16_weight=True, qmin=-8.0,
+                            output="fake")
+        args = (fused.scalar(7.5, w.device), fused.scalar(_torch.finfo(_torch.bfloat16).eps, w.device, _torch.float32))
+        metrics["compiled kernel alone ms"] = ctx.seconds(lambda: fn(w, *args)) * 1e3
+    results.append(CheckResult(
+        "int4_qat", f"cost: fake-quant ({rows}, {cols}) vs its forward matmul ({tokens} tokens)", True, "",
+        metrics,
+        f"<= {TARGET}x the matmul" if ctx.device.type != "cpu" else "",
+        ratio <= TARGET if ctx.device.type != "cpu" else None))
+    return results

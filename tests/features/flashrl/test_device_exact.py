@@ -1,0 +1,207 @@
+"""Issue 31: the quantizers' bits do not depend on the device, non-finite weights are refused,
+and the compiled (accelerator) formulas are the torch paths' math.
+
+The accelerator is simulated on CPU by :mod:`.cuda_division_double` (CUDA's host-scalar
+division); the real device run is ``ascend-rl selftest`` (flashrl/README.md has its table)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from ascend_rl_plugins.features.flashrl import block_fp8, fused, int4, quant  # noqa: E402
+from ascend_rl_plugins.features.flashrl.device_math import NonFiniteWeightError, constant  # noqa: E402
+from tests.features.flashrl.cuda_division_double import HostScalarReciprocalDivision  # noqa: E402
+from tests.features.flashrl.test_int4 import weights  # noqa: E402
+
+same = fused.same_bits
+
+
+def _tied_rows(rows, cols, dtype, seed):
+    """Random rows plus rows whose INT8 scale is exactly 3 with values on .5 ties (the probe)."""
+    return fused.probe_weight(torch.device("cpu"), dtype, rows=rows, cols=cols) if seed == 0 else \
+        (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(dtype)
+
+
+def test_the_double_reproduces_the_device_difference():
+    """Canary: under the double, dividing by a host scalar (the old code) changes results, and
+    dividing by a device tensor (the new code) does not -- so the tests below can fail."""
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(1)) * 1000
+    exact = x / constant(127.0, x)
+    with HostScalarReciprocalDivision() as mode:
+        host = x / 127.0
+        tensor = x / constant(127.0, x)
+    assert mode.rewritten == 1
+    assert int((host != exact).sum()) > 100
+    assert same(tensor, exact)
+    w = fused.probe_weight(torch.device("cpu"), torch.bfloat16)
+    old_style = w.float().abs().amax(dim=1)
+    with HostScalarReciprocalDivision():
+        old_scale = old_style.clone().div_(127.0)
+    assert not same(old_scale, old_style / constant(127.0, old_style))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_int8_and_fp8_torch_paths_equal_the_kernel_under_cuda_division(dtype, seed):
+    w = _tied_rows(160, 384, dtype, seed)
+    col = torch.rand(384, generator=torch.Generator().manual_seed(seed)) + 0.5
+    ref_plain = quant.quantize_int8_rows(w)
+    ref_smooth = quant.quantize_int8_rows(w, col)
+    with HostScalarReciprocalDivision():
+        plain = quant.quantize_int8_rows_torch(w, block_bytes=1 << 16)
+        smooth = quant.quantize_int8_rows_torch(w, col)
+        fp8 = {s: quant.quantize_fp8_rows_torch(w, strategy=s) for s in quant.FP8_STRATEGIES}
+    assert all(map(same, plain, ref_plain)) and all(map(same, smooth, ref_smooth))
+    for strategy, got in fp8.items():  # FP8 rows have no CPU kernel: the CPU torch path is the reference
+        assert all(map(same, got, quant.quantize_fp8_rows_torch(w, strategy=strategy)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(wg=weights(), preset=st.sampled_from(int4.PRESETS))
+def test_int4_torch_paths_equal_the_cpu_reference_under_cuda_division(wg, preset):
+    w, group = wg
+    spec = int4.Int4Spec(group, preset)
+    if preset == "slime" and w.dtype == torch.float16:
+        return  # slime stores bf16 scales: fp16 weights are not a slime configuration
+    ref_codes = int4.quantize(w, spec)        # numba kernel (bf16/float32) or the CPU torch path (fp16)
+    ref_packed = int4.quantize_pack(w, spec)
+    ref_fake = int4.fake_quantize(w, spec)
+    with HostScalarReciprocalDivision():
+        codes = int4.quantize_torch(w, spec)
+        packed = int4.quantize_pack_torch(w, spec)
+        fake = int4.fake_quantize_torch(w, spec)
+    assert all(map(same, codes, ref_codes))
+    assert all(map(same, packed, ref_packed))
+    assert same(fake, ref_fake)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_fp8_torch_path_equals_the_kernel_under_cuda_division(shape, dtype):
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
+    ref = block_fp8.quantize(w)
+    with HostScalarReciprocalDivision():
+        got = block_fp8.quantize_torch(w)
+    assert all(map(same, got, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_formulas_are_the_torch_paths_math(dtype):
+    """The formulas :mod:`.fused` compiles for accelerators, run eagerly (and under the CUDA
+    division double), give the torch paths' bits: a formula error cannot hide behind the
+    compiler. (Compiled on a GPU they are checked at first use and by `ascend-rl selftest`.)"""
+    dev = torch.device("cpu")
+    w = fused.probe_weight(dev, dtype, rows=256, cols=512)
+    d = lambda v, t=None: torch.full((), v, dtype=t or torch.float64)  # noqa: E731
+    with HostScalarReciprocalDivision():
+        int8 = fused.int8_rows_formula(w, None, None, d(quant.QMAX), d(quant.MIN_SCALE * quant.QMAX, torch.float32))
+        fp8 = fused.fp8_rows_formula(w, None, None, d(quant.FP8_MAX), d(torch.finfo(torch.float32).eps, torch.float32))
+        bfp8 = fused.block_fp8_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)
+    assert all(map(same, int8, quant.quantize_int8_rows(w)))
+    assert all(map(same, fp8, quant.quantize_fp8_rows_torch(w)))
+    assert all(map(same, bfp8, block_fp8.quantize(w)))
+    for preset in int4.PRESETS:
+        for group in int4.GROUP_SIZES:
+            spec = int4.Int4Spec(group, preset)
+            sdt = spec.scale_dtype(dtype)
+            args = (d(spec.divisor), d(torch.finfo(sdt).eps, torch.float32), group, preset == "ct",
+                    dtype == torch.bfloat16, float(spec.qmin))
+            assert all(map(same, fused.int4_formula(w, *args, "packed"), int4.quantize_pack(w, spec)))
+            assert all(map(same, fused.int4_formula(w, *args, "codes"), int4.quantize(w, spec)))
+            assert same(fused.int4_formula(w, *args, "fake")[0], int4.fake_quantize(w, spec))
+
+
+ENTRY_POINTS = {
+    "int8 rows (kernel)": lambda w, name: quant.quantize_int8_rows(w, name=name),
+    "int8 rows (torch)": lambda w, name: quant.quantize_int8_rows_torch(w, name=name),
+    "fp8 rows channel": lambda w, name: quant.quantize_fp8_rows(w, name=name),
+    "fp8 rows tensor": lambda w, name: quant.quantize_fp8_rows(w, strategy="tensor", name=name),
+    "int4 quantize (kernel)": lambda w, name: int4.quantize(w, int4.Int4Spec(128, "ct"), name=name),
+    "int4 quantize (torch)": lambda w, name: int4.quantize_torch(w, int4.Int4Spec(128, "slime"), name=name),
+    "int4 pack (kernel)": lambda w, name: int4.quantize_pack(w, int4.Int4Spec(64, "ct"), name=name),
+    "int4 pack (torch)": lambda w, name: int4.quantize_pack_torch(w, int4.Int4Spec(64, "ct"), name=name),
+    "int4 fake (kernel)": lambda w, name: int4.fake_quantize(w, int4.Int4Spec(32, "slime"), name=name),
+    "int4 fake (torch)": lambda w, name: int4.fake_quantize_torch(w, int4.Int4Spec(32, "ct"), name=name),
+    "int4 scales": lambda w, name: int4.scales(w, int4.Int4Spec(128, "ct"), name=name),
+    "block fp8 (kernel)": lambda w, name: block_fp8.quantize(w, name=name),
+    "block fp8 (torch)": lambda w, name: block_fp8.quantize_torch(w, name=name),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_every_quantizer_refuses_non_finite_weights_naming_the_tensor(entry, bad, dtype):
+    w = (torch.randn(256, 384, generator=torch.Generator().manual_seed(4)) * 0.02).to(dtype)
+    w[131, 257] = bad
+    with pytest.raises(NonFiniteWeightError, match="layers.3.mlp.down_proj.weight"):
+        ENTRY_POINTS[entry](w, "layers.3.mlp.down_proj.weight")
+    w[131, 257] = 0.0
+    ENTRY_POINTS[entry](w, "layers.3.mlp.down_proj.weight")  # finite again: accepted
+
+
+@pytest.mark.parametrize("fn", ["int8", "fp8_channel", "w4a16"])
+def test_the_online_reload_quantizers_name_the_parameter(fn):
+    from ascend_rl_plugins.features.flashrl.profile import Int4OnlineQuantizer, OnlineQuantizer, Profile
+    name = "model.layers.7.self_attn.o_proj.weight"
+    w = torch.randn(64, 256, dtype=torch.bfloat16)
+    w[5, 9] = float("nan")
+    if fn == "w4a16":
+        q = Int4OnlineQuantizer(int4.Int4Spec(128, "ct"), lambda n, s: True)
+    else:
+        q = OnlineQuantizer(Profile(), fn=fn, is_quantized=lambda n, s: True)
+    with pytest.raises(NonFiniteWeightError, match=name):
+        list(q.push(name, w))
+
+
+@pytest.fixture
+def fused_flag(monkeypatch):
+    """Set ASCEND_RL_FLASHRL_DEVICE_FUSED for one test (flags are parsed once per process)."""
+    from ascend_rl_plugins import flags
+
+    def set_to(value):
+        monkeypatch.setenv("ASCEND_RL_FLASHRL_DEVICE_FUSED", value)
+        flags.reset_cache()
+    yield set_to
+    monkeypatch.delenv("ASCEND_RL_FLASHRL_DEVICE_FUSED", raising=False)
+    flags.reset_cache()
+    fused.STATE.reset()
+
+
+def test_a_compiled_form_that_disagrees_falls_back_with_one_warning(fused_flag, caplog):
+    fused.STATE.reset()
+    dev = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="ascend_rl_plugins.flashrl"):
+        assert fused.verified("probe-kind", dev, torch.bfloat16, lambda: False) is False
+        assert fused.verified("probe-kind", dev, torch.bfloat16, lambda: True) is False  # remembered
+        assert fused.verified("broken-kind", dev, torch.bfloat16, lambda: 1 / 0) is False
+    warnings = [r for r in caplog.records if "is not used on cpu" in r.getMessage()]
+    assert len(warnings) == 2 and "differs from the eager torch path" in warnings[0].getMessage()
+    fused_flag("on")
+    fused.STATE.reset()
+    with pytest.raises(fused.FusedUnavailable, match="ASCEND_RL_FLASHRL_DEVICE_FUSED=on"):
+        fused.verified("probe-kind", dev, torch.bfloat16, lambda: False)
+    fused.STATE.reset()
+
+
+def test_the_compiled_form_is_wanted_only_on_accelerators(fused_flag):
+    assert not fused.wanted(torch.device("cpu")) and not fused.wanted(torch.device("meta"))
+    npu = SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu; wanted() reads .type only
+    assert fused.wanted(torch.device("cuda")) and not fused.wanted(npu)
+    fused_flag("off")
+    assert not fused.wanted(torch.device("cuda"))
+    fused_flag("on")
+    assert fused.wanted(npu)
+
+
+def test_device_block_size_follows_free_memory(monkeypatch):
+    from ascend_rl_plugins.features.flashrl import device_math
+    assert device_math.block_bytes_for(torch.device("cpu")) == 16 << 20
+    assert device_math.block_bytes_for(torch.device("cpu"), 1 << 10) == 1 << 10
+    monkeypatch.setattr(device_math, "free_device_bytes", lambda device: 80 << 30)
+    assert device_math.block_bytes_for(torch.device("cuda")) == device_math.DEVICE_BLOCK_BYTES
+    monkeypatch.setattr(device_math, "free_device_bytes", lambda device: 1 << 30)
+    assert device_math.block_bytes_for(torch.device("cuda")) == 128 << 20
