@@ -17,7 +17,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import doctor, flags
 
     try:
-        flags.validate_all()
+        flags.validate_all(misspellings=True)  # what activation would refuse
     except flags.FlagError as exc:
         print(f"ascend-rl doctor: {exc}", file=sys.stderr)
         return 2
@@ -67,6 +67,7 @@ def cmd_env(args: argparse.Namespace) -> int:
                      "accepted": f.accepted(), "aliases": ", ".join(f.aliases), "meaning": f.doc,
                      "feature": f.feature})
     unknown = flags.unknown_variables()
+    bad += len(flags.near_misses())  # activation refuses a misspelled flag name
     if args.json:
         print(json.dumps({"flags": rows, "unknown": unknown}, indent=2))
     else:
@@ -82,7 +83,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         console = Console(width=200)
         console.print(table)
         for name in unknown:
-            console.print(f"[yellow]unknown[/yellow] {name} is set but is not an ascend-rl flag")
+            console.print(f"[yellow]unknown[/yellow] {flags.unknown_message(name)}", highlight=False)
     return 2 if bad else 0
 
 

@@ -50,3 +50,13 @@ def engines_in_both_modes(model_path: str) -> dict:
         return n
 
     return {"pid": os.getpid(), "mp": run(True), "inproc": run(False)}
+
+
+def vllm_plugin_loader() -> list:
+    """What vLLM does first in every process it starts (the caller's, the engine core, each
+    worker): ``vllm.plugins.load_general_plugins()`` loads every ``vllm.general_plugins``
+    entry point and calls it. Returns who activated ascend-rl (if the process got here)."""
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    import ascend_rl_plugins
+    return ascend_rl_plugins.plugin.activated_by()

@@ -139,3 +139,11 @@ def test_does_not_apply_is_checked_at_declaration():
             f.does_not_apply(dist="verl", versions=">=0.9", why="")
     finally:
         REGISTRY.features.pop("doctor_test_feature", None)
+
+
+def test_doctor_and_env_refuse_a_misspelled_flag_name_with_a_suggestion():
+    """What activation would refuse, the pre-flight check refuses too."""
+    doctor = _cli("doctor", env={"ASCEND_RL_SAMM": "1"})
+    assert doctor.returncode == 2 and "did you mean ASCEND_RL_SAM?" in doctor.stderr, doctor.stderr
+    env = _cli("env", env={"ASCEND_RL_SAMM": "1", "COLUMNS": "200"})
+    assert env.returncode == 2 and "did you mean ASCEND_RL_SAM?" in env.stdout, env.stdout[-2000:]
