@@ -63,10 +63,12 @@ class Row:
         return asdict(self)
 
 
-def evaluate(p: Patch, roots: Sequence[str] | None = None) -> Row:
-    """Doctor's row for ``p``: the shared decision, with the target resolved by reading source."""
+def evaluate(p: Patch, roots: Sequence[str] | None = None, sibling_in_range: bool = False) -> Row:
+    """Doctor's row for ``p``: the shared decision, with the target resolved by reading source.
+    ``sibling_in_range``: another patch behind the same switch is meant for this stack's
+    versions (see :meth:`Decision.verdict`; :func:`diagnose` works it out)."""
     d = decide(p, roots, check_target=True)
-    verdict, problem = d.verdict(p)
+    verdict, problem = d.verdict(p, sibling_in_range)
     return Row(p.feature.name, p.name, p.target, p.kind, p.dist, d.version, str(p.versions or "any"),
                d.flag_on, d.gate_error or d.flag_why, d.version_state, d.target_found, d.target_where,
                verdict, problem)
@@ -131,9 +133,16 @@ def feature_notes(roots: Sequence[str] | None = None) -> list[FeatureNote]:
     return notes
 
 
+def _switch_of(p: Patch) -> tuple[str, int]:
+    """Patches behind one switch (one feature, one gate) are siblings: versions of one job."""
+    return p.feature.name, id(p.gate)
+
+
 def diagnose(roots: Sequence[str] | None = None, python: str | None = None,
              with_import: bool = False) -> tuple[list[Row], list[str]]:
-    rows = [evaluate(p, roots) for p in REGISTRY.patches.values()]
+    patches = list(REGISTRY.patches.values())
+    in_range = {_switch_of(p) for p in patches if p.version_state(roots)[0] == "ok"}
+    rows = [evaluate(p, roots, _switch_of(p) in in_range) for p in patches]
     conflicts = find_conflicts(rows)
     if with_import:
         runtime = run_import_probe(python)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from tests.support.stacks import require_stack
+from tests.support.switches import every_switch_on
 
 
 def _cli(*args, env=None):
@@ -139,6 +141,44 @@ def test_does_not_apply_is_checked_at_declaration():
             f.does_not_apply(dist="verl", versions=">=0.9", why="")
     finally:
         REGISTRY.features.pop("doctor_test_feature", None)
+
+
+def _problems(stack: str, env: dict) -> tuple[int, list[str], list[str], list[dict]]:
+    """doctor --stack's exit status, problem rows, conflicts and feature notes."""
+    proc = _cli("doctor", "--stack", stack, "--json", env=env)
+    assert proc.stdout.strip().startswith("{"), proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    return (proc.returncode, [f"{r['patch']}: {r['verdict']}" for r in data["patches"] if r["problem"]],
+            data["conflicts"], data["features_not_applicable"])
+
+
+@pytest.mark.parametrize("stack,flag", [("recipe", "ASCEND_RL_SAM"), ("recipe", "ASCEND_RL_FLASHRL"),
+                                        ("current", "ASCEND_RL_FLASHRL"), ("recipe", "ASCEND_RL_HDP")])
+def test_switching_a_supported_feature_on_explicitly_is_no_problem(stack, flag):
+    """The other version's sibling patches of a feature supported on the stack are 'not for
+    this version', never problems (they were: 2 / 5 / 3 / 1, exit 1)."""
+    require_stack(stack)
+    code, problems, conflicts, _ = _problems(stack, {flag: every_switch_on()[flag]})
+    assert (code, problems, conflicts) == (0, [], []), problems
+
+
+@pytest.mark.parametrize("stack", ["recipe", "current"])
+def test_every_feature_switched_on_explicitly_gives_no_false_problem(stack):
+    """With every switch on, a problem is only what the user asked for and will not get: a
+    feature that is not made for this stack (its ``stacks`` do not name it, e.g. verl 0.6-only
+    features on the current stack) or that declares it does not apply here (does_not_apply).
+    Never a patch of a feature supported here, never a conflict."""
+    require_stack(stack)
+    _, problems, conflicts, notes = _problems(stack, every_switch_on())
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    from tests.support.stacks import roots
+    plugin.load_features()
+    supported_here = {name for name, f in REGISTRY.features.items() if re.search(rf"\b{stack}\b", f.stacks)}
+    false = [p for p in problems if p.split(".", 1)[0] in supported_here]
+    assert false == [] and conflicts == [], false + conflicts
+    declared = {(name, why) for name, f in REGISTRY.features.items() for why in f.inapplicable(roots(stack))}
+    assert {(n["feature"], n["why"]) for n in notes if n["problem"]} == declared
 
 
 def test_doctor_and_env_refuse_a_misspelled_flag_name_with_a_suggestion():

@@ -114,8 +114,13 @@ class Patch:
         on = bool(gate())
         return on, "condition " + getattr(gate, "__name__", "callable") + ("" if on else " not met")
 
+    @property
+    def gate(self) -> Any:
+        """What switches this patch on: its own ``enabled_by``, else its feature's flag."""
+        return self.enabled_by if self.enabled_by is not None else self.feature.flag
+
     def explicitly_enabled(self) -> bool:
-        gate = self.enabled_by if self.enabled_by is not None else self.feature.flag
+        gate = self.gate
         return isinstance(gate, _flags.Flag) and gate.explicitly_set and gate.switched_on
 
     def version_state(self, roots=None) -> tuple[str, str | None, str]:
