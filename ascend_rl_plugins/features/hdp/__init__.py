@@ -32,12 +32,10 @@ attention and arbitrary group sizes.
 
 from __future__ import annotations
 
-import logging
-
 from ... import flags
 from ...patching import Feature, Verified
+from ...patching.fallback import fall_back
 
-log = logging.getLogger("ascend_rl_plugins")
 
 ENABLE = flags.define(
     "ASCEND_RL_HDP", "bool", False,
@@ -127,7 +125,7 @@ def _check_model(result, instance, args, kwargs):
     reason = unsupported_reason(config) if config is not None else ""
     if reason and not _fallback:
         _fallback["reason"] = reason
-        log.warning("ascend-rl hdp: falling back to fixed context parallelism: %s", reason)
+        fall_back("hdp", "fixed context parallelism", reason)
     return result
 
 
