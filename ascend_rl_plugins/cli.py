@@ -8,6 +8,37 @@ import os
 import sys
 
 
+# Import name -> what to pip install, where they differ.
+PIP_NAMES: dict[str, str] = {}
+
+
+def needs(parser: argparse.ArgumentParser, *modules: str) -> None:
+    """Declare the optional packages a (sub)command imports: :func:`main` checks them before
+    running it and says which are missing and how to install them, instead of a
+    ModuleNotFoundError traceback from deep inside the command."""
+    parser.set_defaults(needs=(parser.prog, modules))
+
+
+def missing_modules(modules) -> list[str]:
+    """Those of ``modules`` that cannot be imported here (found without importing them)."""
+    import importlib.util
+    missing = []
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    return missing
+
+
+def _missing_message(prog: str, missing) -> str:
+    install = " ".join(PIP_NAMES.get(m, m) for m in missing)
+    return (f"{prog}: error: this command needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed in {sys.executable}; "
+            f"install with: pip install {install}")
+
+
 def _load() -> None:
     from . import plugin
     plugin.load_features()
@@ -157,7 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     _load()
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args) or 0
+    prog, modules = getattr(args, "needs", (parser.prog, ()))
+    missing = missing_modules(modules)
+    if missing:
+        print(_missing_message(prog, missing), file=sys.stderr)
+        return 2
+    try:
+        return args.func(args) or 0
+    except ModuleNotFoundError as exc:
+        # an optional package the command did not declare: still one line, not a traceback
+        if not exc.name or exc.name.split(".")[0] == __package__ or \
+                os.environ.get("ASCEND_RL_LOG_LEVEL", "").strip().lower() == "debug":
+            raise
+        print(_missing_message(prog, [exc.name.split(".")[0]]), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
