@@ -8,6 +8,8 @@ import os
 import sys
 
 
+WIDE_COLUMNS = 240  # doctor.WIDE (not imported here: building the parser stays light)
+
 # Import name -> what to pip install, where they differ.
 PIP_NAMES: dict[str, str] = {}
 
@@ -66,7 +68,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"title": title, "removal": ledger}, indent=2))
         else:
-            doctor.render_removal(ledger, title)
+            doctor.render_removal(ledger, title, wide=args.wide)
         return 0
     if args.json:
         from . import plugin
@@ -78,7 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                                                       if s["state"] in ("applied", "pending")]},
                          indent=2))
     else:
-        doctor.render(rows, conflicts, title, notes=notes)
+        doctor.render(rows, conflicts, title, notes=notes, wide=args.wide)
     return 1 if any(r.problem for r in rows) or conflicts or any(n.problem for n in notes) else 0
 
 
@@ -102,17 +104,23 @@ def cmd_env(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"flags": rows, "unknown": unknown}, indent=2))
     else:
-        from rich.console import Console
         from rich.table import Table
+
+        from .doctor import console as make_console, is_narrow
+        console = make_console(wide=args.wide)
+        narrow = is_narrow(console, args.wide)
         table = Table(title="ascend-rl flags")
-        for col in ("flag", "value", "source", "aliases", "meaning"):
+        columns = ("flag", "value", "source") if narrow else ("flag", "value", "source", "aliases", "meaning")
+        for col in columns:
             table.add_column(col, overflow="fold")
         for r in rows:
-            table.add_row(r["flag"], r["value"], r["source"], r["aliases"],
-                          f"{r['meaning']} Accepted: {r['accepted']}.",
+            cells = {"flag": r["flag"], "value": r["value"], "source": r["source"], "aliases": r["aliases"],
+                     "meaning": f"{r['meaning']} Accepted: {r['accepted']}."}
+            table.add_row(*(cells[c] for c in columns),
                           style="red" if r["value"].startswith("INVALID") else None)
-        console = Console(width=200)
         console.print(table)
+        if narrow:
+            console.print("Meanings, accepted values and the recipe's names: --wide (or --json).", highlight=False)
         for name in unknown:
             console.print(f"[yellow]unknown[/yellow] {flags.unknown_message(name)}", highlight=False)
     return 2 if bad else 0
@@ -155,9 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the removal ledger: when each patch becomes dead code, the upstream "
                         "issue/PR, and whether this stack still needs it")
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--wide", action="store_true",
+                   help=f"every column, {WIDE_COLUMNS} characters wide (default: the terminal's width, COLUMNS)")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("env", help="every flag: value, source and meaning")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--wide", action="store_true",
+                   help=f"every column, {WIDE_COLUMNS} characters wide (default: the terminal's width, COLUMNS)")
     e.set_defaults(func=cmd_env)
     c = sub.add_parser("conformance", help="markdown table of every patch against named stacks")
     c.add_argument("stacks", nargs="*", default=["recipe", "current"], help="stack names or directories")

@@ -187,3 +187,28 @@ def test_doctor_and_env_refuse_a_misspelled_flag_name_with_a_suggestion():
     assert doctor.returncode == 2 and "did you mean ASCEND_RL_SAM?" in doctor.stderr, doctor.stderr
     env = _cli("env", env={"ASCEND_RL_SAMM": "1", "COLUMNS": "200"})
     assert env.returncode == 2 and "did you mean ASCEND_RL_SAM?" in env.stdout, env.stdout[-2000:]
+
+
+def _lines(*args, columns: int) -> list[str]:
+    proc = _cli(*args, env={"COLUMNS": str(columns)})
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("command", [("doctor",), ("env",), ("doctor", "--removal")])
+@pytest.mark.parametrize("columns", [100, 80])
+def test_tables_fit_the_terminal_width_from_columns(command, columns):
+    lines = _lines(*command, columns=columns)
+    assert max(len(line) for line in lines) <= columns, max(lines, key=len)
+
+
+def test_doctor_at_100_columns_takes_one_line_per_patch_and_wide_shows_every_column():
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    plugin.load_features()
+    narrow = _lines("doctor", columns=100)
+    # one line per patch, plus title, header, rules and the summary lines
+    assert len(narrow) <= len(REGISTRY.patches) + 15, len(narrow)
+    wide = _lines("doctor", "--wide", columns=100)
+    assert "target found" in "\n".join(wide) and "target found" not in "\n".join(narrow)
+    assert max(len(line) for line in wide) > 100
