@@ -23,3 +23,18 @@ def megatron_model_with_every_feature_on() -> dict:
     return {"loss": value, "finite": math.isfinite(value), "megatron_patches": megatron,
             "failed": {p.name: p.outcome.reason for p in REGISTRY.patches.values()
                        if p.outcome.state == "failed"}}
+
+
+def vllm_engine_with_every_feature_on(model_path: str) -> dict:
+    """A real vLLM engine (in-process engine core, as verl 0.6's rollout runs it) started with
+    every feature switched on, the plugin loaded by vLLM's own general-plugin loader; one
+    greedy generation. Returns the tokens generated and the states of the vLLM patches."""
+    from vllm import LLM, SamplingParams
+
+    import ascend_rl_plugins
+    llm = LLM(model=model_path, enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=8, temperature=0))
+    states = {s["patch"]: s["state"] for s in ascend_rl_plugins.status() if s["target"].startswith("vllm.")}
+    return {"tokens": len(out[0].outputs[0].token_ids), "activated_by": ascend_rl_plugins.plugin.activated_by(),
+            "applied": sorted(p for p, s in states.items() if s == "applied"),
+            "failed": {s["patch"]: s["reason"] for s in ascend_rl_plugins.status() if s["state"] == "failed"}}

@@ -66,3 +66,17 @@ def test_a_real_megatron_model_builds_and_trains_a_step_with_every_feature_on():
     assert result["failed"] == {}, result
     assert result["megatron_patches"]["hdp.model_support"] == "applied", result
     assert result["megatron_patches"]["int4_qat.gpt_output_layer"] == "applied", result
+
+
+@pytest.mark.engine
+def test_a_real_vllm_engine_starts_and_generates_with_every_feature_on(tiny_model_path):
+    from tests.support.child import ENGINE_ENV, run_scenario
+    from tests.support.stacks import vllm_version
+    if vllm_version() is None:
+        pytest.skip("needs vLLM")
+    env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", **every_switch_on())
+    result = run_scenario("tests.every_feature_scenario", "vllm_engine_with_every_feature_on", tiny_model_path,
+                          env=env, timeout=900)
+    assert result["tokens"] == 8 and result["failed"] == {}, result
+    assert result["activated_by"][0] == "vllm.general_plugins", result
+    assert "gc_off.llm_engine_step" in result["applied"], result
