@@ -94,11 +94,24 @@ def find_conflicts(rows: list[Row]) -> list[str]:
 def run_import_probe(python: str | None) -> dict[str, dict]:
     """Apply everything in a fresh interpreter (``python``, default this one) and return
     each patch's outcome there (see :mod:`ascend_rl_plugins.doctor_probe`)."""
+    from rich.console import Console
+
     from . import doctor_probe
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu",
                ASCEND_RL_AUTOLOAD="0")
-    proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
-                          capture_output=True, text=True, timeout=900)
+    # importing every patched module takes about a minute: say so on stderr (a spinner on a
+    # terminal, one line otherwise), never on stdout, which --json keeps for the report
+    what = f"ascend-rl doctor --import: applying every patch in a fresh {python or sys.executable} " \
+           f"(imports vLLM, verl, Megatron-Core: about a minute)"
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with err.status(what):
+            proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
+                                  capture_output=True, text=True, timeout=900)
+    else:
+        print(what + " ...", file=sys.stderr, flush=True)
+        proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
+                              capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith(doctor_probe.MARK):
             return {s["patch"]: s for s in json.loads(line[len(doctor_probe.MARK):])}

@@ -67,6 +67,8 @@ def test_doctor_import_applies_in_a_fresh_process():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["patch"]: r for r in json.loads(proc.stdout)["patches"]}
     assert rows["diagnostics.report_on_first_step"]["runtime"].startswith("applied")
+    # the long step says what it is doing (on stderr: stdout stays the JSON report)
+    assert "ascend-rl doctor --import: applying every patch in a fresh" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_doctor_reports_bad_flags_clearly():
