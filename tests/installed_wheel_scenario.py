@@ -35,3 +35,18 @@ def check_installed(site: str) -> dict:
         "doctor_patches": len(report["patches"]),
         "doctor_problems": [r["patch"] for r in report["patches"] if r["problem"]],
     }
+
+
+def engine_from_installed(site: str, model_path: str) -> dict:
+    """A real in-process vLLM engine whose general-plugin loader loads the installed copy;
+    one greedy generation with gc_off switched on by the environment."""
+    from vllm import LLM, SamplingParams
+
+    import ascend_rl_plugins
+    llm = LLM(model=model_path, enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=4, temperature=0))
+    states = {s["patch"]: s["state"] for s in ascend_rl_plugins.status()}
+    return {"from_site": os.path.realpath(ascend_rl_plugins.__file__).startswith(os.path.realpath(site) + os.sep),
+            "activated_by": ascend_rl_plugins.plugin.activated_by(),
+            "gc_off": states.get("gc_off.llm_engine_step"),
+            "tokens": len(out[0].outputs[0].token_ids)}

@@ -63,17 +63,37 @@ def test_the_wheel_carries_every_data_file_of_the_package(wheel):
     assert missing == [], f"{len(missing)} data file(s) missing from {os.path.basename(wheel)}: {missing}"
 
 
-def test_the_installed_wheel_imports_runs_doctor_and_loads_hdps_default_cost_model(wheel, tmp_path):
-    """``pip install --target`` the wheel into a bare directory; a fresh interpreter whose
-    working directory is outside the checkout finds the package there (not the checkout)."""
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> str:
+    """``pip install --target`` of the wheel into a bare directory (not the checkout)."""
+    site = tmp_path_factory.mktemp("installed") / "site"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
                            "--target", str(site), wheel], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = run_scenario("tests.installed_wheel_scenario", "check_installed", str(site),
-                          cwd=str(tmp_path), path_first=str(site),
+    return str(site)
+
+
+def test_the_installed_wheel_imports_runs_doctor_and_loads_hdps_default_cost_model(installed, tmp_path):
+    """A fresh interpreter whose working directory is outside the checkout finds the package
+    in the install directory (first on its path), not in the checkout."""
+    site = installed
+    result = run_scenario("tests.installed_wheel_scenario", "check_installed", site,
+                          cwd=str(tmp_path), path_first=site,
                           env={"ASCEND_RL_AUTOLOAD": "1"}, timeout=600)
     assert result["from_site"], result
     assert result["activated_by"] == ["import ascend_rl_plugins"], result
     assert result["cost_model_fields"], result
     assert result["doctor_patches"] > 0 and result["doctor_exit"] == 0, result
+
+
+@pytest.mark.engine
+def test_a_vllm_engine_loads_the_installed_wheel_through_its_plugin_loader(installed, tmp_path, tiny_model_path):
+    from tests.support.child import ENGINE_ENV
+    from tests.support.stacks import vllm_version
+    if vllm_version() is None:
+        pytest.skip("needs vLLM")
+    result = run_scenario("tests.installed_wheel_scenario", "engine_from_installed", installed, tiny_model_path,
+                          cwd=str(tmp_path), path_first=installed,
+                          env=dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_GC_OFF="1"), timeout=900)
+    assert result["from_site"] and result["tokens"] == 4, result
+    assert result["activated_by"][0] == "vllm.general_plugins" and result["gc_off"] == "applied", result
