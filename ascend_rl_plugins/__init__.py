@@ -12,7 +12,7 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
-from .plugin import activate, status  # noqa: E402
+from .plugin import activate, activate_or_exit, status  # noqa: E402
 
 
 def _invoked_as_cli() -> bool:
@@ -31,6 +31,8 @@ def _invoked_as_cli() -> bool:
 
 if _os.environ.get("ASCEND_RL_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off") \
         and not _invoked_as_cli():
-    activate("import ascend_rl_plugins")
+    # a bad flag stops the process with one message: this import is also what vLLM's and
+    # verl's loaders run first, and they would swallow an exception (see activate_or_exit)
+    activate_or_exit("import ascend_rl_plugins")
 
 __all__ = ["activate", "status", "__version__"]

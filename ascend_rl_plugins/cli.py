@@ -8,6 +8,39 @@ import os
 import sys
 
 
+WIDE_COLUMNS = 240  # doctor.WIDE (not imported here: building the parser stays light)
+
+# Import name -> what to pip install, where they differ.
+PIP_NAMES: dict[str, str] = {}
+
+
+def needs(parser: argparse.ArgumentParser, *modules: str) -> None:
+    """Declare the optional packages a (sub)command imports: :func:`main` checks them before
+    running it and says which are missing and how to install them, instead of a
+    ModuleNotFoundError traceback from deep inside the command."""
+    parser.set_defaults(needs=(parser.prog, modules))
+
+
+def missing_modules(modules) -> list[str]:
+    """Those of ``modules`` that cannot be imported here (found without importing them)."""
+    import importlib.util
+    missing = []
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    return missing
+
+
+def _missing_message(prog: str, missing) -> str:
+    install = " ".join(PIP_NAMES.get(m, m) for m in missing)
+    return (f"{prog}: error: this command needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed in {sys.executable}; "
+            f"install with: pip install {install}")
+
+
 def _load() -> None:
     from . import plugin
     plugin.load_features()
@@ -17,7 +50,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import doctor, flags
 
     try:
-        flags.validate_all()
+        flags.validate_all(misspellings=True)  # what activation would refuse
     except flags.FlagError as exc:
         print(f"ascend-rl doctor: {exc}", file=sys.stderr)
         return 2
@@ -35,7 +68,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"title": title, "removal": ledger}, indent=2))
         else:
-            doctor.render_removal(ledger, title)
+            doctor.render_removal(ledger, title, wide=args.wide)
         return 0
     if args.json:
         from . import plugin
@@ -47,7 +80,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                                                       if s["state"] in ("applied", "pending")]},
                          indent=2))
     else:
-        doctor.render(rows, conflicts, title, notes=notes)
+        doctor.render(rows, conflicts, title, notes=notes, wide=args.wide)
     return 1 if any(r.problem for r in rows) or conflicts or any(n.problem for n in notes) else 0
 
 
@@ -67,22 +100,29 @@ def cmd_env(args: argparse.Namespace) -> int:
                      "accepted": f.accepted(), "aliases": ", ".join(f.aliases), "meaning": f.doc,
                      "feature": f.feature})
     unknown = flags.unknown_variables()
+    bad += len(flags.near_misses())  # activation refuses a misspelled flag name
     if args.json:
         print(json.dumps({"flags": rows, "unknown": unknown}, indent=2))
     else:
-        from rich.console import Console
         from rich.table import Table
+
+        from .doctor import console as make_console, is_narrow
+        console = make_console(wide=args.wide)
+        narrow = is_narrow(console, args.wide)
         table = Table(title="ascend-rl flags")
-        for col in ("flag", "value", "source", "aliases", "meaning"):
+        columns = ("flag", "value", "source") if narrow else ("flag", "value", "source", "aliases", "meaning")
+        for col in columns:
             table.add_column(col, overflow="fold")
         for r in rows:
-            table.add_row(r["flag"], r["value"], r["source"], r["aliases"],
-                          f"{r['meaning']} Accepted: {r['accepted']}.",
+            cells = {"flag": r["flag"], "value": r["value"], "source": r["source"], "aliases": r["aliases"],
+                     "meaning": f"{r['meaning']} Accepted: {r['accepted']}."}
+            table.add_row(*(cells[c] for c in columns),
                           style="red" if r["value"].startswith("INVALID") else None)
-        console = Console(width=200)
         console.print(table)
+        if narrow:
+            console.print("Meanings, accepted values and the recipe's names: --wide (or --json).", highlight=False)
         for name in unknown:
-            console.print(f"[yellow]unknown[/yellow] {name} is set but is not an ascend-rl flag")
+            console.print(f"[yellow]unknown[/yellow] {flags.unknown_message(name)}", highlight=False)
     return 2 if bad else 0
 
 
@@ -123,9 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the removal ledger: when each patch becomes dead code, the upstream "
                         "issue/PR, and whether this stack still needs it")
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--wide", action="store_true",
+                   help=f"every column, {WIDE_COLUMNS} characters wide (default: the terminal's width, COLUMNS)")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("env", help="every flag: value, source and meaning")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--wide", action="store_true",
+                   help=f"every column, {WIDE_COLUMNS} characters wide (default: the terminal's width, COLUMNS)")
     e.set_defaults(func=cmd_env)
     c = sub.add_parser("conformance", help="markdown table of every patch against named stacks")
     c.add_argument("stacks", nargs="*", default=["recipe", "current"], help="stack names or directories")
@@ -158,7 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     _load()
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args) or 0
+    prog, modules = getattr(args, "needs", (parser.prog, ()))
+    missing = missing_modules(modules)
+    if missing:
+        print(_missing_message(prog, missing), file=sys.stderr)
+        return 2
+    try:
+        return args.func(args) or 0
+    except ModuleNotFoundError as exc:
+        # an optional package the command did not declare: still one line, not a traceback
+        if not exc.name or exc.name.split(".")[0] == __package__ or \
+                os.environ.get("ASCEND_RL_LOG_LEVEL", "").strip().lower() == "debug":
+            raise
+        print(_missing_message(prog, [exc.name.split(".")[0]]), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

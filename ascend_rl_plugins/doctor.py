@@ -63,10 +63,12 @@ class Row:
         return asdict(self)
 
 
-def evaluate(p: Patch, roots: Sequence[str] | None = None) -> Row:
-    """Doctor's row for ``p``: the shared decision, with the target resolved by reading source."""
+def evaluate(p: Patch, roots: Sequence[str] | None = None, sibling_in_range: bool = False) -> Row:
+    """Doctor's row for ``p``: the shared decision, with the target resolved by reading source.
+    ``sibling_in_range``: another patch behind the same switch is meant for this stack's
+    versions (see :meth:`Decision.verdict`; :func:`diagnose` works it out)."""
     d = decide(p, roots, check_target=True)
-    verdict, problem = d.verdict(p)
+    verdict, problem = d.verdict(p, sibling_in_range)
     return Row(p.feature.name, p.name, p.target, p.kind, p.dist, d.version, str(p.versions or "any"),
                d.flag_on, d.gate_error or d.flag_why, d.version_state, d.target_found, d.target_where,
                verdict, problem)
@@ -92,11 +94,24 @@ def find_conflicts(rows: list[Row]) -> list[str]:
 def run_import_probe(python: str | None) -> dict[str, dict]:
     """Apply everything in a fresh interpreter (``python``, default this one) and return
     each patch's outcome there (see :mod:`ascend_rl_plugins.doctor_probe`)."""
+    from rich.console import Console
+
     from . import doctor_probe
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu",
                ASCEND_RL_AUTOLOAD="0")
-    proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
-                          capture_output=True, text=True, timeout=900)
+    # importing every patched module takes about a minute: say so on stderr (a spinner on a
+    # terminal, one line otherwise), never on stdout, which --json keeps for the report
+    what = f"ascend-rl doctor --import: applying every patch in a fresh {python or sys.executable} " \
+           f"(imports vLLM, verl, Megatron-Core: about a minute)"
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with err.status(what):
+            proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
+                                  capture_output=True, text=True, timeout=900)
+    else:
+        print(what + " ...", file=sys.stderr, flush=True)
+        proc = subprocess.run([python or sys.executable, "-m", doctor_probe.__name__], env=env,
+                              capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
         if line.startswith(doctor_probe.MARK):
             return {s["patch"]: s for s in json.loads(line[len(doctor_probe.MARK):])}
@@ -131,9 +146,16 @@ def feature_notes(roots: Sequence[str] | None = None) -> list[FeatureNote]:
     return notes
 
 
+def _switch_of(p: Patch) -> tuple[str, int]:
+    """Patches behind one switch (one feature, one gate) are siblings: versions of one job."""
+    return p.feature.name, id(p.gate)
+
+
 def diagnose(roots: Sequence[str] | None = None, python: str | None = None,
              with_import: bool = False) -> tuple[list[Row], list[str]]:
-    rows = [evaluate(p, roots) for p in REGISTRY.patches.values()]
+    patches = list(REGISTRY.patches.values())
+    in_range = {_switch_of(p) for p in patches if p.version_state(roots)[0] == "ok"}
+    rows = [evaluate(p, roots, _switch_of(p) in in_range) for p in patches]
     conflicts = find_conflicts(rows)
     if with_import:
         runtime = run_import_probe(python)
@@ -150,14 +172,36 @@ def diagnose(roots: Sequence[str] | None = None, python: str | None = None,
     return rows, conflicts
 
 
-def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
-           notes: Sequence[FeatureNote] = ()) -> None:
+# Below this many columns the tables keep only the columns a decision needs (the rest
+# wraps every row onto several lines); ``--wide`` shows everything at WIDE columns.
+NARROW_BELOW = 160
+WIDE = 240
+
+
+def console(stream=None, wide: bool = False):
+    """A rich console as wide as the terminal (rich honours ``COLUMNS``; 80 when output is
+    not a terminal and ``COLUMNS`` is unset), or :data:`WIDE` columns with ``--wide``."""
     from rich.console import Console
+    return Console(file=stream or sys.stdout, width=WIDE if wide else None)
+
+
+def is_narrow(out, wide: bool) -> bool:
+    return not wide and out.width < NARROW_BELOW
+
+
+def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
+           notes: Sequence[FeatureNote] = (), wide: bool = False) -> None:
     from rich.table import Table
 
-    console = Console(file=stream or sys.stdout, width=200)
+    out = console(stream, wide)
+    narrow = is_narrow(out, wide)
     table = Table(title=title, show_lines=False)
-    for col in ("feature", "patch", "target", "version", "supported", "flag", "target found", "verdict"):
+    # narrow: the patch name already starts with its feature, the switch shows as on/off and the
+    # verdict as its head word(s); a problem's whole verdict follows the table, and --wide shows
+    # target, range and resolution for every row
+    columns = (("patch", "version", "on", "verdict") if narrow else
+               ("feature", "patch", "target", "version", "supported", "flag", "target found", "verdict"))
+    for col in columns:
         table.add_column(col, overflow="fold")
     show_runtime = any(r.runtime for r in rows)
     if show_runtime:
@@ -165,24 +209,32 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
     for r in rows:
         style = "red" if r.problem else ("green" if r.verdict == "will apply" else None)
         found = "-" if r.resolves is None else ("yes" if r.resolves else "NO")
-        cells = [r.feature, r.patch, r.target, r.version or "-", r.supported,
-                 r.flag, found, r.verdict]
+        cells = dict(feature=r.feature, patch=r.patch, target=r.target, version=r.version or "-",
+                     supported=r.supported, flag=r.flag, on="on" if r.enabled else "off",
+                     verdict=r.verdict.split(":", 1)[0] if narrow else r.verdict)
+        cells["target found"] = found
+        row = [cells[c] for c in columns]
         if show_runtime:
-            cells.append(r.runtime)
-        table.add_row(*cells, style=style)
-    console.print(table)
+            row.append(r.runtime)
+        table.add_row(*row, style=style)
+    out.print(table)
+    if narrow:
+        for r in rows:
+            if r.problem:
+                out.print(f"[red]PROBLEM[/red] {r.patch}: {r.verdict}", highlight=False)
     for c in conflicts:
-        console.print(f"[red]CONFLICT[/red] {c}")
+        out.print(f"[red]CONFLICT[/red] {c}")
     for n in notes:
         head = ("[red]FEATURE DOES NOT APPLY[/red] (it is switched on)" if n.problem
                 else "feature does not apply here")
-        console.print(f"{head}: {n.feature}: {n.why}", markup=True, highlight=False)
+        out.print(f"{head}: {n.feature}: {n.why}", markup=True, highlight=False)
     bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes)
     will = sum(r.verdict == "will apply" for r in rows)
-    console.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")
-    console.print("Leave any patch or whole feature unapplied with ASCEND_RL_DISABLE=<patch or feature>[,...] "
-                  "(names as in the 'patch' and 'feature' columns); `ascend-rl doctor --removal` says when "
-                  "each patch can go.", highlight=False)
+    out.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")
+    out.print("Leave any patch or whole feature unapplied with ASCEND_RL_DISABLE=<patch or feature>[,...] "
+              "(a patch name as listed, or its feature: the part before the dot); `ascend-rl doctor "
+              "--removal` says when each patch can go." + (" Every column: --wide." if narrow else ""),
+              highlight=False)
 
 
 def removal_ledger(rows: Sequence[Row]) -> list[dict]:
@@ -202,17 +254,23 @@ def removal_ledger(rows: Sequence[Row]) -> list[dict]:
     return out
 
 
-def render_removal(ledger: Sequence[dict], title: str, stream=None) -> None:
-    from rich.console import Console
+def render_removal(ledger: Sequence[dict], title: str, stream=None, wide: bool = False) -> None:
     from rich.table import Table
 
-    console = Console(file=stream or sys.stdout, width=200)
+    out = console(stream, wide)
+    narrow = is_narrow(out, wide)
     table = Table(title=f"{title}: removal ledger")
-    for col in ("patch", "remove when", "upstream issue/PR", "this stack"):
+    columns = ("patch", "this stack", "remove when") if narrow else \
+        ("patch", "remove when", "upstream issue/PR", "this stack")
+    for col in columns:
         table.add_column(col, overflow="fold")
     for e in ledger:
-        table.add_row(e["patch"], e["remove_when"], e["upstream"] or "-", e["this_stack"])
-    console.print(table)
+        cells = {"patch": e["patch"], "remove when": e["remove_when"], "upstream issue/PR": e["upstream"] or "-",
+                 "this stack": e["this_stack"]}
+        table.add_row(*(cells[c] for c in columns))
+    out.print(table)
+    if narrow:
+        out.print("Upstream issues/PRs: --wide (or --json).", highlight=False)
 
 
 def conformance_cell(p: Patch, roots: Sequence[str]) -> str:

@@ -9,6 +9,7 @@ aliases, with a one-time notice.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -182,14 +183,17 @@ class _Registry:
         self.value(flag)
         return self._sources[flag.name]
 
-    def validate_all(self) -> None:
-        """Parse every flag now; raise one FlagError listing every bad variable."""
+    def validate_all(self, misspellings: bool = False) -> None:
+        """Parse every flag now; raise one FlagError listing every bad variable (and, with
+        ``misspellings``, every unknown variable that misspells a declared flag)."""
         errors = []
         for flag in self.flags.values():
             try:
                 self.value(flag)
             except FlagError as exc:
                 errors.append(str(exc))
+        if misspellings:
+            errors += [unknown_message(name) for name in near_misses()]
         if errors:
             raise FlagError("invalid ascend-rl flag(s):\n  " + "\n  ".join(errors))
 
@@ -197,6 +201,14 @@ class _Registry:
         """``ASCEND_RL_*`` variables that no flag declares (likely typos)."""
         env = os.environ if env is None else env
         return sorted(k for k in env if k.startswith(PREFIX) and k not in self.flags)
+
+    def closest(self, name: str, cutoff: float) -> str | None:
+        """The declared flag whose name is most like ``name`` (compared without the common
+        ``ASCEND_RL_`` prefix, which would make every pair look alike), or None."""
+        tails = {f[len(PREFIX):]: f for f in self.flags}
+        tail = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        match = difflib.get_close_matches(tail, list(tails), n=1, cutoff=cutoff)
+        return tails[match[0]] if match else None
 
     def reset_cache(self) -> None:
         """Forget parsed values (tests change the environment between cases)."""
@@ -236,12 +248,42 @@ def source_of(flag: Flag) -> str:
     return _REGISTRY.source(flag)
 
 
-def validate_all() -> None:
-    _REGISTRY.validate_all()
+def validate_all(misspellings: bool = False) -> None:
+    _REGISTRY.validate_all(misspellings)
 
 
 def unknown_variables(env: Mapping[str, str] | None = None) -> list[str]:
     return _REGISTRY.unknown_canonical(env)
+
+
+# How alike (difflib ratio of the names without ASCEND_RL_) an unknown variable must be to
+# a declared flag to count as a misspelling of it: SAMM/SAM is 0.86, HDP_COSTMODEL/
+# HDP_COST_MODEL 0.96, while unrelated short names (FOO/HDP) stay far below.
+NEAR_MISS = 0.8
+
+
+def suggestion(name: str) -> str | None:
+    """The declared flag an unknown ``ASCEND_RL_*`` name most likely meant (loosely alike)."""
+    return _REGISTRY.closest(name, 0.6)
+
+
+def near_misses(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Unknown ``ASCEND_RL_*`` variables that are misspellings of a declared flag, mapped to
+    that flag. The user asked for something and would silently not get it: activation
+    refuses them (:func:`validate_all` with ``misspellings=True``)."""
+    out = {}
+    for name in unknown_variables(env):
+        meant = _REGISTRY.closest(name, NEAR_MISS)
+        if meant is not None:
+            out[name] = meant
+    return out
+
+
+def unknown_message(name: str) -> str:
+    """One line about an unknown ``ASCEND_RL_*`` variable, with a suggestion when one fits."""
+    meant = suggestion(name)
+    hint = f"; did you mean {meant}?" if meant else " (see `ascend-rl env`)"
+    return f"{name} is set but no ascend-rl flag has that name{hint}"
 
 
 def reset_cache() -> None:

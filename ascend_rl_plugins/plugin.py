@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import pkgutil
+import sys
 import threading
 
 from . import flags
@@ -46,26 +47,23 @@ def _configure_logging() -> None:
 def activate(origin: str = "api") -> None:
     """Declare all features, validate every flag, and apply (or arm) enabled patches.
 
-    Raises :class:`ascend_rl_plugins.flags.FlagError` when a flag is invalid: at plugin
-    load, never later inside a step.
+    Raises :class:`ascend_rl_plugins.flags.FlagError` when a flag is invalid, or when an
+    unknown ``ASCEND_RL_*`` variable misspells a flag (``ASCEND_RL_SAMM``): at plugin load,
+    never later inside a step. The entry points turn it into :func:`exit_on_bad_flags`.
     """
     with _lock:
         _activated_by.append(origin)
         if len(_activated_by) > 1:
             return
         try:
-            flags.validate_all()
+            load_features()  # features declare their flags: validate all of them at once
+            flags.validate_all(misspellings=True)
             _configure_logging()
-            load_features()
-            flags.validate_all()  # features add flags
+            misspelled = flags.near_misses()
             for name in flags.unknown_variables():
-                log.warning("ascend-rl: %s is set but no ascend-rl flag has that name "
-                            "(see `ascend-rl env`)", name)
+                if name not in misspelled:
+                    log.warning("ascend-rl: %s", flags.unknown_message(name))
             REGISTRY.activate()
-        except flags.FlagError as exc:
-            _activated_by.clear()
-            log.error("ascend-rl: %s", exc)  # verl swallows plugin exceptions; say it loudly
-            raise
         except BaseException:
             _activated_by.clear()
             raise
@@ -76,9 +74,36 @@ def activated_by() -> list[str]:
     return list(_activated_by)
 
 
+def activate_or_exit(origin: str) -> None:
+    """:func:`activate` for the entry points: a bad flag stops this process.
+
+    vLLM's general-plugin loader and verl 0.9's ``verl.plugins`` loader both catch
+    ``Exception`` from a plugin, log it and run on *without* the plugin, so a FlagError
+    would turn every feature off for a multi-hour job while the log scrolls past.
+    ``SystemExit`` is a ``BaseException``, which neither catches."""
+    try:
+        activate(origin)
+    except flags.FlagError as exc:
+        exit_on_bad_flags(exc)
+
+
+def exit_on_bad_flags(exc: flags.FlagError) -> None:
+    """Print ``exc`` once to stderr and stop the process with exit status 2.
+
+    No traceback: the message names the variable, the value and what is accepted, which is
+    all a user can act on; ``ASCEND_RL_LOG_LEVEL=debug`` adds the traceback. The level is
+    read raw, because that flag itself may be the bad one."""
+    if os.environ.get(flags.LOG_LEVEL.name, "").strip().lower() == "debug":
+        import traceback
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"ascend-rl: {exc}\nascend-rl: stopping this process (pid {os.getpid()}); fix the "
+          f"variable(s) above, or see `ascend-rl env`.", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 def vllm_general_plugin() -> None:
     """``vllm.general_plugins`` entry point."""
-    activate("vllm.general_plugins")
+    activate_or_exit("vllm.general_plugins")
 
 
 def status() -> list[dict]:

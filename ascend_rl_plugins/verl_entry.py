@@ -1,9 +1,10 @@
 """``verl.plugins`` entry point (verl >= 0.9 imports it: ``entry_point.load()``).
 
-verl only *loads* the entry point and swallows its exceptions at debug level, so the
-activation happens at import and a bad flag is also logged at error level.
+verl only *loads* the entry point, so activation happens at import. verl catches any
+``Exception`` of that import and logs it at debug level, running on without the plugin: a
+bad flag therefore stops the process with ``SystemExit`` (which verl does not catch).
 """
 
-from .plugin import activate
+from .plugin import activate_or_exit
 
-activate("verl.plugins")
+activate_or_exit("verl.plugins")

@@ -50,3 +50,34 @@ def engines_in_both_modes(model_path: str) -> dict:
         return n
 
     return {"pid": os.getpid(), "mp": run(True), "inproc": run(False)}
+
+
+def vllm_plugin_loader() -> list:
+    """What vLLM does first in every process it starts (the caller's, the engine core, each
+    worker): ``vllm.plugins.load_general_plugins()`` loads every ``vllm.general_plugins``
+    entry point and calls it. Returns who activated ascend-rl (if the process got here)."""
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    import ascend_rl_plugins
+    return ascend_rl_plugins.plugin.activated_by()
+
+
+def cli_without(modules: list, argv: list) -> dict:
+    """``ascend-rl <argv>`` in an interpreter where ``modules`` cannot be imported:
+    ``sys.modules[name] = None`` is Python's own way to make ``import name`` fail (and
+    ``importlib.util.find_spec(name)`` say it is absent), as on a machine without them.
+    Returns the exit status and stderr, or the uncaught exception's type."""
+    import contextlib
+    import io
+    for name in modules:
+        sys.modules[name] = None
+    from ascend_rl_plugins import cli
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except Exception as exc:  # what a user would have seen as a traceback
+            return {"code": None, "stderr": err.getvalue(), "uncaught": type(exc).__name__}
+    return {"code": code, "stderr": err.getvalue(), "uncaught": None}

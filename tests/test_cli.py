@@ -64,3 +64,31 @@ def test_docs_check_fails_on_a_stale_block_and_write_repairs_it(tmp_path):
     _run([sys.executable, "-m", "ascend_rl_plugins"], "docs", "--repo", str(repo), "--write")
     text = (repo / "README.md").read_text()
     assert "| [gc_off](ascend_rl_plugins/features/gc_off/README.md) |" in text and "\nold\n" not in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["flashrl", "quantize", "-m", "{tmp}", "-o", "{tmp}/out"],
+    ["flashrl", "profile", "-m", "{tmp}", "-q", "{tmp}", "-o", "{tmp}/p"],
+    ["moe-reshard", "convert", "--direction", "hf-to-mcore", "-i", "{tmp}", "-o", "{tmp}/out"],
+], ids=["flashrl-quantize", "flashrl-profile", "moe-reshard-convert"])
+def test_a_command_needing_an_absent_package_says_which_and_how_to_install(argv, tmp_path):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    result = run_scenario("tests.plugin_scenario", "cli_without", ["torch", "safetensors"], argv)
+    assert result["uncaught"] is None and result["code"] == 2, result
+    line = result["stderr"].strip()
+    assert "\n" not in line and "needs torch, safetensors" in line and "pip install torch safetensors" in line, line
+    assert line.startswith("ascend-rl " + " ".join(argv[:2]) + ": error:"), line
+
+
+def test_mismatch_on_a_non_numeric_value_is_one_line_naming_the_argument(tmp_path):
+    (tmp_path / "t.jsonl").write_text('[0.1, "x"]\n')
+    (tmp_path / "r.jsonl").write_text("[0.1, 0.2]\n")
+    result = run_scenario("tests.plugin_scenario", "cli_without", [],
+                          ["mismatch", "--trainer", str(tmp_path / "t.jsonl"), "--rollout", str(tmp_path / "r.jsonl")])
+    assert result["uncaught"] is None and result["code"] == 2, result
+    line = result["stderr"].strip()
+    assert "\n" not in line and line.startswith("ascend-rl mismatch: error: --trainer:") and "'x' is not a number" in line
+    clip = run_scenario("tests.plugin_scenario", "cli_without", [],
+                        ["mismatch", "--trainer", str(tmp_path / "r.jsonl"), "--rollout", str(tmp_path / "r.jsonl"),
+                         "--clip", "wide"])
+    assert clip["code"] == 2 and "argument --clip: invalid float value: 'wide'" in clip["stderr"], clip

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from tests.support.stacks import require_stack
+from tests.support.switches import every_switch_on
 
 
 def _cli(*args, env=None):
@@ -65,6 +67,8 @@ def test_doctor_import_applies_in_a_fresh_process():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["patch"]: r for r in json.loads(proc.stdout)["patches"]}
     assert rows["diagnostics.report_on_first_step"]["runtime"].startswith("applied")
+    # the long step says what it is doing (on stderr: stdout stays the JSON report)
+    assert "ascend-rl doctor --import: applying every patch in a fresh" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_doctor_reports_bad_flags_clearly():
@@ -139,3 +143,76 @@ def test_does_not_apply_is_checked_at_declaration():
             f.does_not_apply(dist="verl", versions=">=0.9", why="")
     finally:
         REGISTRY.features.pop("doctor_test_feature", None)
+
+
+def _problems(stack: str, env: dict) -> tuple[int, list[str], list[str], list[dict]]:
+    """doctor --stack's exit status, problem rows, conflicts and feature notes."""
+    proc = _cli("doctor", "--stack", stack, "--json", env=env)
+    assert proc.stdout.strip().startswith("{"), proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    return (proc.returncode, [f"{r['patch']}: {r['verdict']}" for r in data["patches"] if r["problem"]],
+            data["conflicts"], data["features_not_applicable"])
+
+
+@pytest.mark.parametrize("stack,flag", [("recipe", "ASCEND_RL_SAM"), ("recipe", "ASCEND_RL_FLASHRL"),
+                                        ("current", "ASCEND_RL_FLASHRL"), ("recipe", "ASCEND_RL_HDP")])
+def test_switching_a_supported_feature_on_explicitly_is_no_problem(stack, flag):
+    """The other version's sibling patches of a feature supported on the stack are 'not for
+    this version', never problems (they were: 2 / 5 / 3 / 1, exit 1)."""
+    require_stack(stack)
+    code, problems, conflicts, _ = _problems(stack, {flag: every_switch_on()[flag]})
+    assert (code, problems, conflicts) == (0, [], []), problems
+
+
+@pytest.mark.parametrize("stack", ["recipe", "current"])
+def test_every_feature_switched_on_explicitly_gives_no_false_problem(stack):
+    """With every switch on, a problem is only what the user asked for and will not get: a
+    feature that is not made for this stack (its ``stacks`` do not name it, e.g. verl 0.6-only
+    features on the current stack) or that declares it does not apply here (does_not_apply).
+    Never a patch of a feature supported here, never a conflict."""
+    require_stack(stack)
+    _, problems, conflicts, notes = _problems(stack, every_switch_on())
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    from tests.support.stacks import roots
+    plugin.load_features()
+    supported_here = {name for name, f in REGISTRY.features.items() if re.search(rf"\b{stack}\b", f.stacks)}
+    false = [p for p in problems if p.split(".", 1)[0] in supported_here]
+    assert false == [] and conflicts == [], false + conflicts
+    declared = {(name, why) for name, f in REGISTRY.features.items() for why in f.inapplicable(roots(stack))}
+    assert {(n["feature"], n["why"]) for n in notes if n["problem"]} == declared
+
+
+def test_doctor_and_env_refuse_a_misspelled_flag_name_with_a_suggestion():
+    """What activation would refuse, the pre-flight check refuses too."""
+    doctor = _cli("doctor", env={"ASCEND_RL_SAMM": "1"})
+    assert doctor.returncode == 2 and "did you mean ASCEND_RL_SAM?" in doctor.stderr, doctor.stderr
+    env = _cli("env", env={"ASCEND_RL_SAMM": "1", "COLUMNS": "200"})
+    assert env.returncode == 2 and "did you mean ASCEND_RL_SAM?" in env.stdout, env.stdout[-2000:]
+
+
+def _lines(*args, columns: int) -> list[str]:
+    proc = _cli(*args, env={"COLUMNS": str(columns)})
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return proc.stdout.splitlines()
+
+
+@pytest.mark.parametrize("command", [("doctor",), ("env",), ("doctor", "--removal")])
+@pytest.mark.parametrize("columns", [100, 80])
+def test_tables_fit_the_terminal_width_from_columns(command, columns):
+    lines = _lines(*command, columns=columns)
+    assert max(len(line) for line in lines) <= columns, max(lines, key=len)
+
+
+def test_doctor_at_100_columns_takes_one_line_per_patch_and_wide_shows_every_column():
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    plugin.load_features()
+    narrow = _lines("doctor", columns=100)
+    body = narrow[next(i for i, line in enumerate(narrow) if line.startswith("┡")) + 1:
+                  next(i for i, line in enumerate(narrow) if line.startswith("└"))]
+    # one line per patch (the very longest names may take two)
+    assert len(body) <= len(REGISTRY.patches) * 1.1, len(body)
+    wide = _lines("doctor", "--wide", columns=100)
+    assert "target found" in "\n".join(wide) and "target found" not in "\n".join(narrow)
+    assert max(len(line) for line in wide) > 100

@@ -19,7 +19,8 @@ from importlib.metadata import PackageNotFoundError, entry_points, version
 import pytest
 from packaging.version import Version
 
-from tests.support.child import run_scenario
+from tests.support.child import run_scenario, run_scenario_to_exit
+from tests.test_plugin import BAD_VALUE, BAD_VALUE_MESSAGE, assert_stopped_once
 
 SCENARIO = "tests.verl_entry_scenario"
 TARGET, PATCH = "vllm.v1.engine.llm_engine", "gc_off.llm_engine_step"
@@ -86,3 +87,23 @@ def test_external_modules_variable_activates_on_import_verl():
         result
     _assert_patch_applied(result)
 
+
+
+def test_a_bad_flag_stops_the_process_under_the_verl_plugins_entry_point():
+    """verl 0.9 catches any Exception of the entry point's import (logged at debug level) and
+    runs on without the plugin: a bad flag must stop the worker instead."""
+    if _verl_version() < Version("0.9"):
+        pytest.skip(f"verl {_verl_version()} has no verl.plugins entry-point group (added in 0.9)")
+    _require_entry_point()
+    exited = run_scenario_to_exit(SCENARIO, "import_verl", None, None, timeout=300,
+                                  env=dict(BAD_VALUE, VERL_USE_EXTERNAL_MODULES="",
+                                           VERL_USE_EXTERNAL_PLUGINS="auto"))
+    assert_stopped_once(exited, BAD_VALUE_MESSAGE)
+
+
+def test_a_bad_flag_stops_the_process_under_verl_external_modules():
+    _verl_version()
+    exited = run_scenario_to_exit(SCENARIO, "import_verl", None, None, timeout=300,
+                                  env=dict(BAD_VALUE, VERL_USE_EXTERNAL_MODULES="ascend_rl_plugins",
+                                           VERL_USE_EXTERNAL_PLUGINS="none"))
+    assert_stopped_once(exited, BAD_VALUE_MESSAGE)

@@ -114,8 +114,13 @@ class Patch:
         on = bool(gate())
         return on, "condition " + getattr(gate, "__name__", "callable") + ("" if on else " not met")
 
+    @property
+    def gate(self) -> Any:
+        """What switches this patch on: its own ``enabled_by``, else its feature's flag."""
+        return self.enabled_by if self.enabled_by is not None else self.feature.flag
+
     def explicitly_enabled(self) -> bool:
-        gate = self.enabled_by if self.enabled_by is not None else self.feature.flag
+        gate = self.gate
         return isinstance(gate, _flags.Flag) and gate.explicitly_set and gate.switched_on
 
     def version_state(self, roots=None) -> tuple[str, str | None, str]:
@@ -342,6 +347,29 @@ def conflict(a: Patch, b: Patch) -> str | None:
     if a.is_wrapper and b.is_wrapper and (a.order is None or b.order is None or a.order == b.order):
         return f"{a.name} and {b.name} both wrap {a.target} without distinct declared orders"
     return None
+
+
+def undeclared_compositions(patches: Iterable[Patch]) -> list[str]:
+    """Pairs of patches on one target, for versions that overlap, that do not say how they
+    compose (both replace it, or wrap it without distinct ``order``s). Each such pair
+    raises :class:`ConflictError` at import of the target the day both flags are on
+    together: every pair is checked here, whatever the flags, so a feature that starts
+    touching a target another one already touches must declare its place."""
+    by_target: dict[str, list[Patch]] = {}
+    for p in patches:
+        by_target.setdefault(p.target, []).append(p)
+    from . import versions as _versions
+    problems = []
+    for ps in by_target.values():
+        for i, a in enumerate(ps):
+            for b in ps[i + 1:]:
+                # ranges of different distributions say nothing about each other
+                if a.dist == b.dist and not _versions.may_overlap(a.versions, b.versions):
+                    continue
+                why = conflict(a, b)
+                if why:
+                    problems.append(f"{why} (versions {a.versions or 'any'} and {b.versions or 'any'})")
+    return problems
 
 
 def _resolve_runtime(target: str) -> tuple[Any, str, Any, bool]:

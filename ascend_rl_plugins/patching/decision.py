@@ -44,13 +44,22 @@ class Decision:
             return f"target missing: {self.target_where}"
         return self.flag_why
 
-    def verdict(self, p: "Patch") -> tuple[str, bool]:
-        """(doctor's verdict text, whether it is a problem the user must fix)."""
+    def verdict(self, p: "Patch", sibling_in_range: bool = False) -> tuple[str, bool]:
+        """(doctor's verdict text, whether it is a problem the user must fix).
+
+        A problem is only what the user asked for and will not get. A patch written for
+        another version of its target is "not for this version"; it is a problem only when
+        the user switched its gate on explicitly and ``sibling_in_range`` is False: no
+        other patch behind the same gate is meant for the installed versions, so the
+        switch would do nothing here."""
         if self.version_state == "absent":
             return f"n/a: {self.version_why}", False
         if self.version_state == "outside":
             if p.fixed_upstream:
                 return f"not needed: {self.version_why}", False
+            if sibling_in_range:
+                return (f"not for this version: {self.version_why} (the feature's patches for this "
+                        f"version apply instead)", False)
             return f"not for this version: {self.version_why}", self.flag_on and p.explicitly_enabled()
         if self.target_found is False:
             return f"TARGET MISSING: {self.target_where}", self.flag_on

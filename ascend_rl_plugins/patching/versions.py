@@ -42,6 +42,23 @@ def in_range(version: str, spec: SpecifierSet | None) -> bool:
     return spec.contains(v, prereleases=True) or spec.contains(Version(v.base_version), prereleases=True)
 
 
+def may_overlap(a: SpecifierSet | None, b: SpecifierSet | None) -> bool:
+    """Could one version satisfy both ranges? Decided on probe versions: every version a
+    specifier names, and a version just above each (an intersection of ranges, when not
+    empty, starts at one of its bounds or just above an exclusive one)."""
+    if a is None or b is None:
+        return True
+    probes = {Version("0")}
+    for spec in (*a, *b):
+        text = spec.version.rstrip(".*").rstrip(".")
+        try:
+            bound = Version(text)
+        except InvalidVersion:
+            return True  # an arbitrary-equality bound: assume the worst
+        probes |= {bound, Version(f"{bound.base_version}.0.0.1")}
+    return any(in_range(str(v), a) and in_range(str(v), b) for v in probes)
+
+
 def _providers_of(import_name: str) -> list[str]:
     """Distributions that install the top-level package ``import_name``, found next to it
     (``packages_distributions()`` reads every RECORD on the path: ~0.5 s; this reads one

@@ -354,3 +354,39 @@ def test_a_submodule_entry_that_existed_before_is_put_back_on_revert(monkeypatch
     assert sys.modules[before.__name__] is replacement and pkg.thing is replacement
     REGISTRY.revert_all()
     assert sys.modules[before.__name__] is before and not hasattr(pkg, "thing")
+
+
+def test_undeclared_compositions_are_found_for_overlapping_ranges_only():
+    """The framework check behind 'features compose': two wrappers of one target without
+    distinct orders are reported when their version ranges may overlap (or belong to
+    different distributions), never when the ranges are disjoint."""
+    from ascend_rl_plugins.patching.core import undeclared_compositions
+    a, b = _feature("ta"), _feature("tb")
+
+    def hook(result, instance, args, kwargs):
+        return result
+
+    common = dict(reason="test", remove_when="never")
+    p1 = a.after("textwrap:shorten", hook, name="ta.one", dist="pkg", versions=">=1,<3", **common)
+    p2 = b.after("textwrap:shorten", hook, name="tb.one", dist="pkg", versions=">=2.5", **common)
+    p3 = b.after("textwrap:shorten", hook, name="tb.two", dist="pkg", versions=">=3", **common)
+    assert [len(undeclared_compositions(ps)) for ps in ([p1, p2], [p1, p3])] == [1, 0]
+    p4 = b.after("textwrap:wrap", hook, name="tb.three", dist="other", versions=">=9", **common)
+    p5 = a.after("textwrap:wrap", hook, name="ta.two", dist="pkg", versions="<1", **common)
+    assert len(undeclared_compositions([p4, p5])) == 1
+    p6 = a.after("textwrap:fill", hook, name="ta.three", dist="pkg", order=10, **common)
+    p7 = b.after("textwrap:fill", hook, name="tb.four", dist="pkg", order=20, **common)
+    assert undeclared_compositions([p6, p7]) == []
+
+
+@pytest.mark.parametrize("a,b,overlap", [
+    (">=0.12,<0.13", ">=0.16,<0.17", False),
+    (">=0.12,<0.17", ">=0.16", True),
+    (">0.13", "<=0.13", False),
+    ("==0.13.*", ">=0.13.1,<0.14", True),
+    ("<0.13", ">=0.13", False),
+    (None, ">=9", True),
+])
+def test_version_ranges_overlap(a, b, overlap):
+    from ascend_rl_plugins.patching.versions import may_overlap, parse_specifier
+    assert may_overlap(parse_specifier(a), parse_specifier(b)) is overlap

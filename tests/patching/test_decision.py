@@ -49,3 +49,28 @@ def test_doctor_verdict_and_activation_agree(monkeypatch, on):
         assert got["decision_test.stdlib"][2].state == "applied"
         assert got["decision_test.absent_dist"][1].verdict.startswith("n/a")
         assert got["decision_test.old_range"][1].verdict.startswith("not for this version")
+
+
+def test_a_patch_for_another_version_is_a_problem_only_when_no_sibling_covers_this_one(monkeypatch):
+    """Switched on explicitly, a feature whose only patch is for another version does nothing
+    here: a problem. Give it a sibling behind the same switch for the installed version and
+    the other-version patch is just 'not for this version'."""
+    from ascend_rl_plugins.doctor import diagnose
+    monkeypatch.setenv("ASCEND_RL_SIBLING_TEST", "1")
+    gate = flags.define("ASCEND_RL_SIBLING_TEST", "bool", False, "test gate", feature="sibling_test")
+    f = Feature("sibling_test", "test", flag=gate, verified=Verified())
+    f.after("textwrap:shorten", lambda r, i, a, k: r, dist="packaging", versions="<1", reason="t",
+            remove_when="t", name="sibling_test.old_version")
+    # the real features' rows stay out of the way
+    monkeypatch.setenv("ASCEND_RL_DISABLE", ",".join(n for n in REGISTRY.features if n != "sibling_test"))
+    flags.reset_cache()
+
+    def row():
+        return next(r for r in diagnose()[0] if r.patch == "sibling_test.old_version")
+
+    alone = row()
+    assert alone.verdict.startswith("not for this version") and alone.problem, alone
+    f.after("textwrap:shorten", lambda r, i, a, k: r, dist="packaging", versions=">=1", reason="t",
+            remove_when="t", name="sibling_test.this_version", order=20)
+    covered = row()
+    assert covered.verdict.startswith("not for this version") and not covered.problem, covered

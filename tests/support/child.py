@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 MARK = "@@ARP_TEST_RESULT@@"
@@ -37,7 +38,7 @@ ENGINE_ENV = {
 }
 
 
-def _child_env(env: dict | None) -> dict:
+def _child_env(env: dict | None, path_first: str | None = None) -> dict:
     full = dict(os.environ)
     if "ARP_TEST_PARENT_VERL_PLUGINS" in full:  # undo what tests/conftest.py did to the parent
         parent = full.pop("ARP_TEST_PARENT_VERL_PLUGINS")
@@ -47,7 +48,7 @@ def _child_env(env: dict | None) -> dict:
             full.pop("VERL_USE_EXTERNAL_PLUGINS", None)
     full.update(env or {})
     path = full.get("PYTHONPATH", "")
-    full["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, REPO, path) if p)
     return full
 
 
@@ -62,17 +63,42 @@ def _result(out: str) -> tuple[bool, Any]:
 
 
 def run_scenario(module: str, function: str, *args: Any, env: dict | None = None,
-                 timeout: float = 900, python: str | None = None) -> Any:
+                 timeout: float = 900, python: str | None = None, cwd: str | None = None,
+                 path_first: str | None = None) -> Any:
     """``module.function(*args)`` in a fresh interpreter; returns its (JSON) result.
 
+    ``path_first`` goes on ``PYTHONPATH`` before the repository (an installed copy of the
+    package that must win over the checkout); ``cwd`` defaults to the repository.
     A non-zero exit or a missing result raises AssertionError with the output tails."""
-    proc = subprocess.run(_command(module, function, args, python, False), env=_child_env(env),
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.run(_command(module, function, args, python, False), env=_child_env(env, path_first),
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
     ok, result = _result(proc.stdout)
     if proc.returncode != 0 or not ok:
         raise AssertionError(f"{module}.{function} failed in a child process (exit {proc.returncode})\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return result
+
+
+@dataclass
+class Exited:
+    """How a scenario's interpreter ended, for scenarios that are expected to stop early
+    (a bad flag at plugin load): its exit status, its output, and its result if it got
+    that far."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    finished: bool  # the scenario function returned (its result was printed)
+    result: Any = None
+
+
+def run_scenario_to_exit(module: str, function: str, *args: Any, env: dict | None = None,
+                         timeout: float = 900, python: str | None = None) -> Exited:
+    """Like :func:`run_scenario`, but any exit status is an answer, not a failure."""
+    proc = subprocess.run(_command(module, function, args, python, False), env=_child_env(env),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    ok, result = _result(proc.stdout)
+    return Exited(proc.returncode, proc.stdout, proc.stderr, ok, result)
 
 
 def free_port() -> int:

@@ -126,6 +126,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
+    from ...cli import needs
     fl = subparsers.add_parser("flashrl", help="FlashRL INT8/FP8 rollout: profile, setup, quantize",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = fl.add_subparsers(dest="flashrl_command", required=True)
@@ -137,6 +138,7 @@ def register(subparsers) -> None:
     p.add_argument("--fn", choices=["fp8", "int8", "fp8_channel", "fp8_tensor"], default="int8",
                    help="format of the quantized checkpoint (fp8 = fp8_channel)")
     p.set_defaults(func=cmd_profile)
+    needs(p, "torch", "safetensors")
 
     s = sub.add_parser("setup", help="write or append a FlashRL rollout config")
     s.add_argument("-m", "--model", default=None, help="local W8A8 checkpoint directory")
@@ -166,3 +168,4 @@ def register(subparsers) -> None:
     q.add_argument("--fp8-format", choices=["fp8", "ct"], default="fp8",
                    help="fp8-block: quant_method fp8 with weight_scale_inv, or compressed-tensors FP8_BLOCK")
     q.set_defaults(func=cmd_quantize)
+    needs(q, "torch", "safetensors")

@@ -32,12 +32,10 @@ attention and arbitrary group sizes.
 
 from __future__ import annotations
 
-import logging
-
 from ... import flags
 from ...patching import Feature, Verified
+from ...patching.fallback import fall_back
 
-log = logging.getLogger("ascend_rl_plugins")
 
 ENABLE = flags.define(
     "ASCEND_RL_HDP", "bool", False,
@@ -127,12 +125,15 @@ def _check_model(result, instance, args, kwargs):
     reason = unsupported_reason(config) if config is not None else ""
     if reason and not _fallback:
         _fallback["reason"] = reason
-        log.warning("ascend-rl hdp: falling back to fixed context parallelism: %s", reason)
+        fall_back("hdp", "fixed context parallelism", reason)
     return result
 
 
+# order 40: int4_qat.gpt_output_layer (order 60) also runs after GPTModel.__init__; the two are
+# independent (this one only reads the config), so the check simply runs first.
 FEATURE.after("megatron.core.models.gpt.gpt_model:GPTModel.__init__", _check_model,
-              name="hdp.model_support", dist="megatron-core", versions=">=0.12,<0.17", params=("self", "config"),
+              name="hdp.model_support", order=40, dist="megatron-core", versions=">=0.12,<0.17",
+              params=("self", "config"),
               reason="HDP must not run for configurations whose per-sequence reductions span the CP group "
                      "(MTP, sequence-level MoE aux loss); detected when the model is built",
               remove_when=REMOVE_WHEN)

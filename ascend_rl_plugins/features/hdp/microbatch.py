@@ -19,10 +19,10 @@ HDP the planner forms the micro-batches instead, knowing how each will be groupe
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 
-log = logging.getLogger("ascend_rl_plugins")
+from ...patching.fallback import fall_back
+
 _MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
 _MEMO_SIZE = 4096
 
@@ -122,7 +122,7 @@ def wrap_rearrange(enabled, policy_flag, cost_model_flag):
                            divisible_by=bound.get("num_batches_divided_by"), policy=policy_flag.value,
                            cost_model_path=cost_model_flag.value or "")
         if result is None:
-            log.info("ascend-rl hdp: verl's micro-batches kept: %s", why)
+            fall_back("hdp", "verl's own micro-batches", why)
             return micro_batches, partitions
         from verl.utils import tensordict_utils as tu
 

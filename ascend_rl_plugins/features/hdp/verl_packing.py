@@ -25,11 +25,10 @@ one group of all CP ranks packs exactly what upstream packs (the tests compare b
 from __future__ import annotations
 
 import functools
-import logging
 
+from ...patching.fallback import fall_back
 from .layout import HdpLayout, attach, layout_of
 
-log = logging.getLogger("ascend_rl_plugins")
 PLAN_ATTRIBUTE = "_ascend_rl_hdp_plan"
 
 
@@ -52,8 +51,10 @@ def planned_groups(lengths: tuple[int, ...], cp_size: int, tp: int, policy: str,
     result = planner.plan(list(lengths), cp_size=cp_size, max_tokens_per_rank=budget, min_micro_batches=1,
                           group_policy=policy, cost_model=model, tp=tp)
     if len(result.micro_batches) != 1:
-        log.info("ascend-rl hdp: fixed CP for a micro-batch of %d rows: the planner wanted %d micro-batches",
-                 len(lengths), len(result.micro_batches))
+        fall_back("hdp", "fixed context parallelism for a micro-batch",
+                  f"the planner wanted {len(result.micro_batches)} micro-batches for its {len(lengths)} rows "
+                  f"(verl fixed the micro-batch count already)",
+                  cause="the planner wanted more micro-batches than verl formed")
         return (tuple(range(cp_size)),), (0,) * len(lengths)
     mb = result.micro_batches[0]
     group_of = [0] * len(lengths)
@@ -192,7 +193,7 @@ def wrap_preprocess(policy_flag, cost_model_flag, enabled, dump=None):
         if cp_size <= 1:
             return wrapped(*args, **kwargs)
         if bound.get("use_fp8_padding"):
-            log.info("ascend-rl hdp: fixed CP for this micro-batch: FP8 THD padding is not planned by HDP")
+            fall_back("hdp", "fixed context parallelism for a micro-batch", "FP8 THD padding is not planned by HDP")
             return wrapped(*args, **kwargs)
         layout = layout_for(bound["attention_mask"], cp_rank, cp_size, tp, policy_flag.value,
                             cost_model_flag.value or "")

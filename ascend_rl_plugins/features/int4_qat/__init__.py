@@ -205,8 +205,10 @@ def _mark_output_layer(result, instance, args, kwargs):
     return result
 
 
+# order 60: after hdp.model_support (order 40), which only reads the config; this one marks the
+# built model's output layer, whatever ran before it.
 FEATURE.after("megatron.core.models.gpt.gpt_model:GPTModel.__init__", _mark_output_layer,
-              name="int4_qat.gpt_output_layer", dist="megatron-core", versions=MEGATRON_RANGE,
+              name="int4_qat.gpt_output_layer", order=60, dist="megatron-core", versions=MEGATRON_RANGE,
               params=("self", "config", "transformer_layer_spec"),
               reason="the output layer is a ColumnParallelLinear that must stay high precision (as the "
                      "rollout's lm_head), and TransformerEngine linears are not covered by QAT",

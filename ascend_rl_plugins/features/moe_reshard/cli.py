@@ -82,6 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers) -> None:
+    from ...cli import needs
     m = subparsers.add_parser("moe-reshard", help="MoE expert reshard: HF<->Megatron converter, reshard plans")
     sub = m.add_subparsers(dest="moe_reshard_command", required=True)
     c = sub.add_parser("convert", help="convert expert weights between HF and Megatron-Core layouts")
@@ -97,6 +98,7 @@ def register_cli(subparsers) -> None:
     c.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers (default: config.json's num_hidden_layers, else the last MoE layer + 1)")
     c.set_defaults(func=cmd_convert)
+    needs(c, "torch", "safetensors")
     p = sub.add_parser("plan", help="what the reshard planner moves for a layout")
     for name, default in (("layers", None), ("experts", None), ("hidden", None), ("ffn", None)):
         p.add_argument(f"--{name}", type=int, required=default is None)

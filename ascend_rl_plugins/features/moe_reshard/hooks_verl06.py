@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-log = logging.getLogger("ascend_rl_plugins")
+from ...patching.fallback import fall_back
 
 
 @dataclass
@@ -256,7 +255,7 @@ def _fallback(reason: str) -> None:
     from . import MODE
     if MODE.value == "on":
         raise RuntimeError(f"ASCEND_RL_MOE_RESHARD=on but the expert reshard cannot run: {reason}")
-    log.warning("ascend-rl moe_reshard: stock weight sync (%s)", reason)
+    fall_back("moe_reshard", "stock weight sync", reason)
 
 
 def generator(wrapped, args, kwargs) -> Iterator[tuple[str, Any]]:

@@ -33,16 +33,28 @@ def load(path: str, what: str):
         raise InputError(f"{what}: {path} does not exist")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".npy":
-        return np.load(path, allow_pickle=False)
+        array = np.load(path, allow_pickle=False)
+        if array.dtype.kind not in "biuf":
+            raise InputError(f"{what}: {path} holds {array.dtype} values, not numbers")
+        return array
     if suffix == ".jsonl":
         rows = []
         with open(path, encoding="utf-8") as fh:
             for i, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{what}: {path} line {i} is not JSON ({exc.msg})") from None
                 if not isinstance(row, list):
                     raise InputError(f"{what}: {path} line {i} is not a JSON list")
+                bad = [(j, v) for j, v in enumerate(row)
+                       if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+                if bad:
+                    j, v = bad[0]
+                    raise InputError(f"{what}: {path} line {i} position {j}: {v!r} is not a number "
+                                     f"(accepted: numbers, or null for a position without a log-prob)")
                 rows.append(np.array([np.nan if v is None else float(v) for v in row], dtype=np.float64))
         return rows
     if suffix == ".pt":

@@ -687,8 +687,12 @@ def compile_step_kernel() -> None:
 
     An engine calls this when it builds its proposer, as vLLM's n-gram proposer warms its
     own kernel, so the compilation (seconds on a cold cache) is paid at start-up and not
-    inside the first decode step."""
-    _entry(1)
+    inside the first decode step. A cold compile (a fresh machine: 15-25 s) says so while it
+    runs; loading from the cache stays silent."""
+    from ...patching.progress import slow_step
+    with slow_step("ascend-rl sam: compiling the drafter's numba kernel (first use here; numba caches it "
+                   "for later runs)"):
+        _entry(1)
 
 
 def _as_1d(x, dtype):

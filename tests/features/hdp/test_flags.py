@@ -61,6 +61,8 @@ def test_the_plan_dump_writes_one_json_line_per_micro_batch(flag_env, tmp_path):
 def test_unsupported_configurations_fall_back_to_cp_with_one_line(flag_env, config, reason, caplog, monkeypatch):
     flag_env(ASCEND_RL_HDP="1")
     monkeypatch.setattr(feature, "_fallback", {})
+    from ascend_rl_plugins.patching import fallback
+    monkeypatch.setattr(fallback, "_said", set())  # each case is a fresh process's first fallback
     instance = types.SimpleNamespace(config=types.SimpleNamespace(**config))
     with caplog.at_level("WARNING", logger="ascend_rl_plugins"):
         feature._check_model(None, instance, (), {})

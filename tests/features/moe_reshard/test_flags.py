@@ -82,7 +82,7 @@ def test_on_turns_a_refused_plan_into_an_error_and_auto_into_one_log_line():
     assert on == "raised: ASCEND_RL_MOE_RESHARD=on but the expert reshard cannot run: plan: x"
     auto = run_scenario("tests.features.moe_reshard.test_flags", "fallback", "plan: x",
                         env=dict(env, ALL_TO_ALL_RESHARD="auto"), timeout=120)
-    assert auto.startswith("logged: ") and auto.endswith(" | ascend-rl moe_reshard: stock weight sync (plan: x)")
+    assert auto.startswith("logged: ") and auto.endswith(" | ascend-rl moe_reshard: falling back to stock weight sync: plan: x")
     assert "ALL_TO_ALL_RESHARD is the seed recipe's name for ASCEND_RL_MOE_RESHARD" in auto
 
 

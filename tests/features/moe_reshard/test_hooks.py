@@ -61,9 +61,9 @@ def test_an_invalid_plan_falls_back_to_stock_on_every_rank_with_a_reason(ranks):
     for r in ranks:
         assert r["fallback_equals_stock"] and r["no_rollout_equals_stock"] and r["mixed_equals_stock"], r
         # only rank 0 could take part: every rank took the stock path, naming a rank that could not
-        assert r["mixed_log"] and r["mixed_log"][0].startswith("ascend-rl moe_reshard: stock weight sync (rank 1: ")
+        assert r["mixed_log"] and r["mixed_log"][0].startswith("ascend-rl moe_reshard: falling back to stock weight sync: rank 1: ")
     logs = [m for r in ranks for m in r["fallback_log"]]
-    assert logs and all(m.startswith("ascend-rl moe_reshard: stock weight sync (") for m in logs)
+    assert logs and all(m.startswith("ascend-rl moe_reshard: falling back to stock weight sync: ") for m in logs)
     assert any("host 1 of 4 experts" in m for m in logs)
     assert any("no vLLM MoE model" in m for r in ranks for m in r["no_rollout_log"])
 

@@ -28,6 +28,11 @@ OFF_POLICY = {
     "two_mini_batches": ({"actor_rollout_ref.actor.ppo_mini_batch_size": toy_trainer.PROMPTS // 2},
                          ["actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.train_batch_size=4",
                           "with 2 mini-batches"]),
+    # verl's dataloader yields data.gen_batch_size prompts per rollout (train_batch_size only when
+    # unset): a mini-batch of train_batch_size prompts then splits each rollout batch in two
+    "gen_batch_size": ({"data.gen_batch_size": toy_trainer.PROMPTS * 2},
+                       ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.gen_batch_size=8",
+                        "with 2 mini-batches"]),
     "kl_in_reward": ({"algorithm.use_kl_in_reward": True}, ["algorithm.use_kl_in_reward=True"]),
     "bypass_mode": ({"algorithm.rollout_correction.bypass_mode": True},
                     ["algorithm.rollout_correction.bypass_mode=True"]),
@@ -43,6 +48,14 @@ def _validate(cfg):
 def test_the_on_policy_configuration_is_valid_for_verl_itself():
     _validate(toy_trainer.config())
     assert feature.problems(toy_trainer.config()) == []
+
+
+def test_the_rollout_batch_is_data_gen_batch_size_when_set():
+    """One mini-batch per rollout batch of data.gen_batch_size prompts is on-policy, even when
+    data.train_batch_size differs (the refusal compares with the batch verl rolls out)."""
+    half = toy_trainer.PROMPTS // 2
+    cfg = toy_trainer.config(**{"data.gen_batch_size": half, "actor_rollout_ref.actor.ppo_mini_batch_size": half})
+    assert feature.problems(cfg) == []
 
 
 @pytest.mark.parametrize("case", sorted(OFF_POLICY))

@@ -62,6 +62,17 @@ def test_proposer_compiles_the_step_kernel_when_built():
     assert out == {"before": False, "after": True, "k": 3}
 
 
+def test_a_cold_kernel_compile_says_what_it_is_doing_at_the_default_log_level(tmp_path):
+    """15-25 s of numba compilation on a fresh machine are announced while they run (and
+    their end), at WARNING so the default level shows them."""
+    out = run_scenario("tests.features.sam.wiring_scenario", "proposer_built_on_a_cold_numba_cache",
+                       env=dict(CHILD_ENV, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache")))
+    messages = [m for level, m in out["said"] if level == "WARNING"]
+    assert any(m.startswith("ascend-rl sam: compiling the drafter's numba kernel") and m.endswith(" ...")
+               for m in messages), out
+    assert any(": done in " in m for m in messages), out
+
+
 @pytest.fixture(scope="module")
 def ascend_drafters():
     if running_stack() is None:

@@ -35,6 +35,30 @@ def kernel_compiled_when_proposer_built() -> dict:
     return {"before": before, "after": automaton._ENTRY[1] is not None, "k": proposer.sam.k}
 
 
+def proposer_built_on_a_cold_numba_cache() -> dict:
+    """Build a SAM proposer where numba's cache is empty (the environment points
+    NUMBA_CACHE_DIR at a fresh directory): what the ascend-rl logger said meanwhile."""
+    import logging
+
+    from ascend_rl_plugins.features.sam.vllm_proposer import sam_proposer_class
+
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append((record.levelname, record.getMessage()))
+
+    logger = logging.getLogger("ascend_rl_plugins")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.WARNING)  # the default ASCEND_RL_LOG_LEVEL
+
+    class PristineNgramProposer:  # stands in for the runner's NgramProposer base class
+        pass
+
+    sam_proposer_class(PristineNgramProposer)(_config())
+    return {"said": said}
+
+
 # --- vLLM-Ascend: doubles of the NPU-only modules (signatures as read in 0.13 / 0.23) ---------------
 
 def _install_ascend_doubles(flavour: str) -> None:
