@@ -184,15 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_docs)
     # feature commands (e.g. `ascend-rl flashrl ...`): a feature module exposes register_cli
     from . import features
-    import importlib
-    import pkgutil
-    for info in sorted(pkgutil.iter_modules(features.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{features.__name__}.{info.name}")
-        register = getattr(mod, "register_cli", None)
-        if register is not None:
-            register(sub)
+    for _, register in features.modules_with("register_cli"):
+        register(sub)
     from . import selftest
     selftest.register_cli(sub)
     return parser

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import pkgutil
 import statistics
 import sys
 import time
@@ -124,15 +123,7 @@ def describe(device) -> str:
 def feature_checks() -> list[tuple[str, Callable]]:
     """``(feature, selftest_checks)`` of every feature package that has device-side checks."""
     from . import features
-    found = []
-    for info in sorted(pkgutil.iter_modules(features.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{features.__name__}.{info.name}")
-        fn = getattr(mod, "selftest_checks", None)
-        if fn is not None:
-            found.append((info.name, fn))
-    return found
+    return features.modules_with("selftest_checks")
 
 
 def run(device, *, quick: bool, only: tuple[str, ...] = (), progress=None, done=None) -> list[CheckResult]:

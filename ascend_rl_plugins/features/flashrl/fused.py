@@ -94,14 +94,22 @@ def _quotient(a, b):
     return (a.to(torch.float64) / b.to(torch.float64)).to(torch.float32)
 
 
-def int8_rows_formula(w, col, gain, qmax, min_amax):
-    """``(int8 codes, float32 scale [rows, 1])``: :func:`.quant.quantize_int8_rows_torch`'s math."""
+def _scaled_rows(w, col, gain):
+    """float32 ``(w * col) * gain`` (smoothing per input column, gain per output row), in the
+    eager path's order."""
     import torch
     x = w.to(torch.float32)
     if col is not None:
         x = x * col
     if gain is not None:
         x = x * gain
+    return x
+
+
+def int8_rows_formula(w, col, gain, qmax, min_amax):
+    """``(int8 codes, float32 scale [rows, 1])``: :func:`.quant.quantize_int8_rows_torch`'s math."""
+    import torch
+    x = _scaled_rows(w, col, gain)
     amax = torch.maximum(x.abs().amax(dim=1, keepdim=True), min_amax)
     scale = _quotient(amax, qmax)
     codes = _quotient(x, scale).round().clamp(-128.0, 127.0).to(torch.int8)
@@ -111,11 +119,7 @@ def int8_rows_formula(w, col, gain, qmax, min_amax):
 def fp8_rows_formula(w, col, gain, fp8_max, eps):
     """``(float8_e4m3fn, float32 scale [rows, 1])``: :func:`.quant.quantize_fp8_rows`'s ``channel`` math."""
     import torch
-    x = w.to(torch.float32)
-    if col is not None:
-        x = x * col
-    if gain is not None:
-        x = x * gain
+    x = _scaled_rows(w, col, gain)
     scale = _quotient(x.abs().amax(dim=1, keepdim=True), fp8_max)
     scale = torch.where(scale == 0, eps, scale)
     q = _quotient(x, scale).clamp(-448.0, 448.0)

@@ -157,8 +157,9 @@ def _fused_usable(kind: str, weight) -> bool:
 
 
 def _fused_rows(n: int, k: int, out_bytes_per_elem: int, block_bytes, device, whole: bool) -> int:
-    """Rows per compiled call: everything at once when the result is returned (the compiled
-    kernel keeps no float32 copy), else blocks whose temporary output is about ``block_bytes``."""
+    """Rows per compiled call when writing into given outputs: blocks whose temporary output is
+    about ``block_bytes`` (a returned result is computed in one call: the compiled kernel keeps
+    no float32 copy of the weight)."""
     if whole:
         return max(1, n)
     return max(1, device_math.block_bytes_for(device, block_bytes) // max(1, out_bytes_per_elem * k))
@@ -166,20 +167,28 @@ def _fused_rows(n: int, k: int, out_bytes_per_elem: int, block_bytes, device, wh
 
 def _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
     from . import fused
+    out, scale_out = _rows_fused("int8_rows", weight, col_smooth, row_gain,
+                                 _int8_outputs(weight, out, scale_out), out is None and scale_out is None,
+                                 (fused.scalar(QMAX, weight.device),
+                                  fused.scalar(MIN_SCALE * QMAX, weight.device, torch.float32)), block_bytes)
+    return out, scale_out
+
+
+def _rows_fused(kind, weight, col_smooth, row_gain, outputs, whole: bool, scalars, block_bytes):
+    """Run the compiled per-row formula ``kind`` (:mod:`.fused`) over the weight: one call when the
+    result is returned (``whole``), else blocks of rows copied into ``outputs`` (codes, scales)."""
+    from . import fused
     n, k = weight.shape
-    whole = out is None and scale_out is None
-    out, scale_out = _int8_outputs(weight, out, scale_out)
+    out, scale_out = outputs
     col, gain = _factors(weight, col_smooth, row_gain)
-    fn = fused.compiled("int8_rows", (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
-    qmax = fused.scalar(QMAX, weight.device)
-    min_amax = fused.scalar(MIN_SCALE * QMAX, weight.device, torch.float32)
-    rows = _fused_rows(n, k, 1, block_bytes, weight.device, whole)
+    fn = fused.compiled(kind, (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
     if whole and n:
-        return fn(weight, col, gain, qmax, min_amax)
+        return fn(weight, col, gain, *scalars)
+    rows = _fused_rows(n, k, 1, block_bytes, weight.device, False)
     scale_view = scale_out.view(n, 1)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        codes, s = fn(weight[r0:r1], col, None if gain is None else gain[r0:r1], qmax, min_amax)
+        codes, s = fn(weight[r0:r1], col, None if gain is None else gain[r0:r1], *scalars)
         out[r0:r1].copy_(codes)
         scale_view[r0:r1].copy_(s)
     return out, scale_out
@@ -290,23 +299,10 @@ def _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, bloc
 
 def _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
     from . import fused
-    n, k = weight.shape
-    whole = out is None and scale_out is None
-    out, scale_out = _fp8_outputs(weight, "channel", out, scale_out)
-    col, gain = _factors(weight, col_smooth, row_gain)
-    fn = fused.compiled("fp8_rows", (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
-    fp8_max = fused.scalar(FP8_MAX, weight.device)
-    eps = fused.scalar(torch.finfo(torch.float32).eps, weight.device, torch.float32)
-    if whole and n:
-        return fn(weight, col, gain, fp8_max, eps)
-    rows = _fused_rows(n, k, 1, block_bytes, weight.device, False)
-    scale_view = scale_out.view(n, 1)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        q, s = fn(weight[r0:r1], col, None if gain is None else gain[r0:r1], fp8_max, eps)
-        out[r0:r1].copy_(q)
-        scale_view[r0:r1].copy_(s)
-    return out, scale_out
+    return _rows_fused("fp8_rows", weight, col_smooth, row_gain, _fp8_outputs(weight, "channel", out, scale_out),
+                       out is None and scale_out is None,
+                       (fused.scalar(FP8_MAX, weight.device),
+                        fused.scalar(torch.finfo(torch.float32).eps, weight.device, torch.float32)), block_bytes)
 
 
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
