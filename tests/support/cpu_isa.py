@@ -61,18 +61,23 @@ def probe_vllm_cpu_ops(ops: list) -> dict:
     return {"ops": found, "amx": bool(torch.cpu._is_amx_tile_supported())}
 
 
-@functools.lru_cache(maxsize=None)
-def vllm_cpu_ops(*ops: str) -> dict:
-    """``{op: present}`` for ``torch.ops._C.<op>`` after vLLM loads its CPU kernels in a fresh
-    interpreter of this stack (with this process's ``ARP_TEST_CPU_ISA``); cached per session."""
+# the vLLM CPU ops whose absence changes what a test can run (one probe per session asks for all)
+PROBED_OPS = ("cpu_gemm_wna16", "prepack_moe_weight")
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_cpu_ops() -> dict:
+    """``{op: present}`` for ``torch.ops._C.<op>`` of every op in :data:`PROBED_OPS`, after vLLM
+    loads its CPU kernels in a fresh interpreter of this stack (with this process's
+    ``ARP_TEST_CPU_ISA``); asked once per test session."""
     from tests.support.child import run_scenario
-    return run_scenario("tests.support.cpu_isa", "probe_vllm_cpu_ops", list(ops), timeout=300)["ops"]
+    return run_scenario("tests.support.cpu_isa", "probe_vllm_cpu_ops", list(PROBED_OPS), timeout=300)["ops"]
 
 
 def missing_vllm_cpu_op(op: str, used_by: str) -> str | None:
     """The skip reason when the installed vLLM CPU build lacks ``torch.ops._C.<op>`` on this CPU
-    (``used_by``: what calls it), else None."""
-    if vllm_cpu_ops(op)[op]:
+    (``used_by``: what calls it), else None. ``op`` must be one of :data:`PROBED_OPS`."""
+    if vllm_cpu_ops()[op]:
         return None
     simulated = os.environ.get(ENV)
     cpu = f"this CPU as {ENV}={simulated} simulates it" if simulated else "this CPU"

@@ -52,7 +52,7 @@ def test_the_engines_ran_the_cpu_moe_path_the_installed_build_offers(engines):
     if running_stack() != "current":
         pytest.skip("vLLM 0.13 (recipe) has no CPUFusedMOE path choice to check")
     from tests.support.cpu_isa import vllm_cpu_ops
-    kernel = vllm_cpu_ops("prepack_moe_weight")["prepack_moe_weight"]
+    kernel = vllm_cpu_ops()["prepack_moe_weight"]
     for role in ("reload", "direct"):
         r = engines[role]
         assert len(r["moe_paths"]) == 2, r["moe_paths"]
