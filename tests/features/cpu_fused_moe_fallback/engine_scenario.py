@@ -3,8 +3,10 @@
 ``fallback_engine``: this process answers torch's ISA probes as an AVX2-only CPU
 (tests/support/cpu_isa.py), so vLLM 0.23 loads its real ``_C_AVX2`` library, which has no
 ``prepack_moe_weight``, and ``CPUFusedMOE`` takes its torch fallback on any x86 machine, as it
-does on the AVX2-only CI machines. The tiny Qwen3-MoE runs in float32 in an in-process engine;
-the feature's patch is applied by vLLM's own plugin loading (``vllm.general_plugins``). Recorded:
+does on the AVX2-only CI machines. The tiny Qwen3-MoE runs in float32 in an in-process engine
+with vLLM's default torch.compile (on CPU the MoE layer is traced, not an opaque op, so the
+patched table is looked up by Dynamo too); the feature's patch is applied by vLLM's own plugin
+loading (``vllm.general_plugins``). Recorded:
 which MoE path every layer took, the patch state, the engine's greedy next token and its
 log-prob on a few prompts, the activation table's entries against vLLM's own, and, after the
 patch is reverted in the same process, what the next generate raises.
@@ -70,7 +72,7 @@ def fallback_engine(model_dir: str) -> dict:
 
     from ascend_rl_plugins.patching.core import REGISTRY
     res = {"table": table_entries()}
-    llm = LLM(model=model_dir, enforce_eager=True, max_model_len=128, max_num_seqs=4, dtype="float32", seed=0,
+    llm = LLM(model=model_dir, max_model_len=128, max_num_seqs=4, dtype="float32", seed=0,
               gpu_memory_utilization=0.5)
     res["prepack_moe_weight"] = hasattr(torch.ops._C, "prepack_moe_weight")
     patch = REGISTRY.patches[PATCH]
