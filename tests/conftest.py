@@ -9,11 +9,17 @@ os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")  # tests activate explicitly, i
 os.environ["ARP_TEST_PARENT_VERL_PLUGINS"] = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "")
 os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
 
+from tests.support import cpu_isa  # noqa: E402
 from tests.support.stacks import running_stack, vllm_version  # noqa: E402
+
+if os.environ.get(cpu_isa.ENV):  # only then: the pytest process imports torch for it
+    cpu_isa.apply_from_env()
 
 
 def pytest_report_header(config):
-    return f"ascend-rl stack: {running_stack() or 'none'} (vLLM {vllm_version() or 'not installed'})"
+    simulated = os.environ.get(cpu_isa.ENV)
+    return (f"ascend-rl stack: {running_stack() or 'none'} (vLLM {vllm_version() or 'not installed'})"
+            + (f"; CPU simulated as {simulated}-only ({cpu_isa.ENV})" if simulated else ""))
 
 
 @pytest.fixture(scope="session")

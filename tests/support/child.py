@@ -141,6 +141,8 @@ def run_group(module: str, function: str, world: int, *args: Any, env: dict | No
 
 
 def _main(payload: str) -> None:
+    from tests.support import cpu_isa
+    cpu_isa.apply_from_env()  # ARP_TEST_CPU_ISA: vLLM loads the kernels of the simulated CPU
     spec = json.loads(payload)
     if spec["group"]:
         import torch.distributed as dist

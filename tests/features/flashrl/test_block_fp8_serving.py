@@ -15,19 +15,18 @@
 """
 
 import ast
-import os
 
 import pytest
 
 from tests.support.child import ENGINE_ENV, run_scenario
-from tests.support.stacks import running_stack
+from tests.support.stacks import running_stack, source
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(running_stack() is None,
                                 reason="needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")
 SCENARIO = "tests.features.flashrl.w4a16_engine_scenario"
-ASCEND_SRC = os.path.expanduser("~/.cache/ascend-rl/stacks/current/src/vllm_ascend/vllm_ascend/quantization/"
-                                "fp8_config.py")
+# vLLM-Ascend 0.23's fp8 config, unpacked by .ci/stack.sh under $ASCEND_RL_CACHE (stacks.source)
+ASCEND_FP8_CONFIG = ("vllm_ascend", "vllm_ascend", "quantization", "fp8_config.py")
 BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                 "weight_block_size": [128, 128]}
 
@@ -96,9 +95,8 @@ def test_vllm_ascend_block_fp8_and_w4a16_support_statements(monkeypatch):
 
 def test_ascend_refusal_double_mirrors_the_real_signature():
     from . import ascend_fp8_config_double as d
-    if not os.path.isfile(ASCEND_SRC):
-        pytest.skip(f"vLLM-Ascend 0.23 source not unpacked at {ASCEND_SRC}")
-    tree = ast.parse(open(ASCEND_SRC).read())
+    path = source("current", *ASCEND_FP8_CONFIG)  # skips, naming the path, when absent
+    tree = ast.parse(open(path).read())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AscendFp8Config")
     real = {f.name: [a.arg for a in f.args.args] for f in cls.body if isinstance(f, ast.FunctionDef)}
     assert real["from_config"] == ["cls", "config"]

@@ -2,7 +2,12 @@
 configs parsed by the installed vLLM, and one real vLLM 0.23 CPU engine serving the W4A16
 checkpoint (in a child process; ``serve_w4a16`` below is the scenario it runs).
 
-vLLM 0.13's CPU backend serves no W4A16 on x86, so the engine test is skipped there. Block
+vLLM 0.13's CPU backend serves no W4A16 on x86, so the engine test is skipped there. Where the
+installed vLLM 0.23 build has no W4A16 matmul on this CPU (``torch.ops._C.cpu_gemm_wna16`` is
+absent from vLLM's AVX2 kernel library), the engine starts without its warm-up forward and the
+test checks what needs no matmul -- vLLM selects its W4A16 scheme and kernel for the checkpoint
+and holds the checkpoint's codes and scales in the kernel's layout -- then skips the generation
+part, naming the missing op. Block
 FP8 is not served by vLLM's CPU backend without AMX (the engine engineer's tests cover the
 refusal); here its layout, round trip and vLLM's parsing of the config are tested.
 """
@@ -152,23 +157,59 @@ def test_installed_vllm_parses_the_written_configs(tiny_model_path, tmp_path):
 
 # -- one real engine (vLLM 0.23 CPU) ------------------------------------------------------
 
-def serve_w4a16(model_dir: str) -> dict:
-    """Child-process scenario: load ``model_dir`` (W4A16) in a vLLM CPU engine, greedy
-    ``MAX_TOKENS`` tokens per prompt; report the linear kernels vLLM chose."""
+def serve_w4a16(model_dir: str, forward: bool = True) -> dict:
+    """Child-process scenario: load ``model_dir`` (W4A16) in a vLLM CPU engine; report the linear
+    kernels vLLM chose and whether every processed ``weight_packed`` / ``weight_scale`` is the
+    checkpoint's, in the W4A16 kernel's layout; with ``forward``, greedy ``MAX_TOKENS`` tokens per
+    prompt (without: the engine starts without its warm-up forward and generates nothing)."""
     from vllm import LLM, SamplingParams
+
+    from tests.features.flashrl.engine_scenario import _model
+    from tests.features.flashrl.w4a16_engine_scenario import without_warm_up_forward
+    if not forward:
+        without_warm_up_forward()
     llm = LLM(model=model_dir, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="bfloat16", seed=0,
               gpu_memory_utilization=0.5)
+    model = _model(llm)
+    kernels = sorted({type(getattr(m, "scheme", None)).__name__ + "/" +
+                      type(getattr(getattr(m, "scheme", None), "kernel", None)).__name__
+                      for m in model.modules() if hasattr(m, "scheme")})
+    res = {"kernels": kernels, "outputs": None, **_processed_against_checkpoint(model, model_dir)}
+    if not forward:
+        return res
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1)
     outs = []
     for o in llm.generate(PROMPTS, sp, use_tqdm=False):
         c = o.outputs[0]
         outs.append({"prompt_ids": list(o.prompt_token_ids), "tokens": list(c.token_ids),
                      "logprobs": [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]})
-    from tests.features.flashrl.engine_scenario import _model
-    kernels = sorted({type(getattr(m, "scheme", None)).__name__ + "/" +
-                      type(getattr(getattr(m, "scheme", None), "kernel", None)).__name__
-                      for m in _model(llm).modules() if hasattr(m, "scheme")})
-    return {"outputs": outs, "kernels": kernels}
+    res["outputs"] = outs
+    return res
+
+
+def _processed_against_checkpoint(model, model_dir: str) -> dict:
+    """Per W4A16 linear of the engine (fused as vLLM fuses them: ``packed_modules_mapping``):
+    its processed ``weight_packed`` must be the checkpoint's packed codes of its parts in the
+    CPUWNA16 W4A16 layout (flashrl's ``wna16_blocked_cpu``, equal to vLLM's own post-processing:
+    ``test_w4a16_reload.py``), its ``weight_scale`` the checkpoint's scales, transposed."""
+    from ascend_rl_plugins.features.flashrl._cpu_kernels import wna16_blocked_cpu
+    ckpt = profile.read_tensors(model_dir)
+    fused = dict(getattr(model, "packed_modules_mapping", {}))
+    checked, mismatch = 0, []
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_packed"):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{p}" for p in fused.get(leaf, [leaf])]
+        packed = torch.cat([ckpt[p + ".weight_packed"] for p in parts], dim=0).contiguous()
+        scale = torch.cat([ckpt[p + ".weight_scale"] for p in parts], dim=0)
+        want = wna16_blocked_cpu(packed, torch.empty_like(module.weight_packed.data))
+        got_scale = module.weight_scale.data
+        if not (torch.equal(module.weight_packed.data, want) and got_scale.dtype == scale.dtype
+                and torch.equal(got_scale, scale.t())):
+            mismatch.append(name)
+        checked += 1
+    return {"processed_checked": checked, "processed_mismatch": mismatch}
 
 
 def _reference_logits(w4_dir: str, src_dir: str, ids: list[int], quantized: bool = True):
@@ -207,11 +248,21 @@ def test_vllm_023_cpu_serves_the_w4a16_checkpoint(tiny_model_path, tmp_path):
         pytest.skip("vLLM 0.13's CPU backend serves no W4A16 on x86 (its only CPU int4 kernel, "
                     "Dynamic4bitLinearKernel, is Arm-only; CPUWNA16LinearKernel came later); the checkpoint "
                     "is served on the current stack (vLLM 0.23)")
+    from tests.support.cpu_isa import missing_vllm_cpu_op
+    no_matmul = missing_vllm_cpu_op("cpu_gemm_wna16", "vLLM 0.23's CPUWNA16LinearKernel W4A16 matmul "
+                                                      "(every forward of the W4A16 engine)")
     out = str(tmp_path / "w4")
     assert _cli("-m", tiny_model_path, "-o", out, "--fn", "w4a16", "--group-size", "64") == 0
-    res = run_scenario("tests.features.flashrl.test_convert_low_precision", "serve_w4a16", out,
-                       env=dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0"), timeout=900)
+    res = run_scenario("tests.features.flashrl.test_convert_low_precision", "serve_w4a16", out, no_matmul is None,
+                       # W4A16 on every CPU (on AMX, vLLM's default is W4A8: int8 activations)
+                       env=dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", VLLM_CPU_INT4_W4A8="0"), timeout=900)
     assert any("WNA16" in k for k in res["kernels"]), res["kernels"]
+    # 2 layers x (qkv, o, gate_up, down): vLLM holds the checkpoint's codes and scales, in the
+    # layout its W4A16 kernel multiplies by
+    assert res["processed_checked"] == 8 and res["processed_mismatch"] == [], res
+    if no_matmul:
+        pytest.skip(f"{no_matmul}; checked without a forward: vLLM serves the checkpoint with its W4A16 scheme "
+                    f"and kernel and holds the checkpoint's codes and scales in the kernel's layout")
     worst_bf16 = 0.0
     for o in res["outputs"]:
         assert len(o["tokens"]) == MAX_TOKENS

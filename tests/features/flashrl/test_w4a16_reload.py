@@ -12,6 +12,12 @@ restores tokens and log-probs exactly, B equals engine 2 (outputs and every proc
 bit for bit), online codes/scales equal the offline checkpoint's, no data pointer changes,
 torch-allocator peak of a reload <= 1.1x the largest BF16 tensor, a partial fused update is
 refused. vLLM 0.13's CPU build has no W4A16 kernel: there only the engine-start refusal runs.
+
+Where the installed vLLM 0.23 build has no W4A16 matmul on this CPU (``torch.ops._C.cpu_gemm_wna16``
+is absent from vLLM's AVX2 kernel library), the engines start without their warm-up forward and
+generate nothing: the output comparisons skip, naming the missing op; scheme and kernel, the
+online codes and scales against the offline checkpoint, every processed tensor against the
+direct engine's, the storage, the memory peak and the refusals are checked all the same.
 """
 
 import os
@@ -27,6 +33,13 @@ pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(running_stack() is None,
                                  reason="needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")]
 SCENARIO = "tests.features.flashrl.w4a16_engine_scenario"
+W4A16_MATMUL = ("cpu_gemm_wna16", "vLLM 0.23's CPUWNA16LinearKernel W4A16 matmul (every forward of a W4A16 engine)")
+
+
+def _matmul_missing() -> str | None:
+    """Why W4A16 engines cannot run a forward with this vLLM build on this CPU, or None."""
+    from tests.support.cpu_isa import missing_vllm_cpu_op
+    return missing_vllm_cpu_op(*W4A16_MATMUL)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +60,11 @@ def engines(artifacts):
     jobs = {"reload": dict(base, ASCEND_RL_FLASHRL=paths["config"]), "direct": base}
     from .test_engine_reload import verl_source
     verl_src = verl_source()
+    no_forward = _matmul_missing()
     with ThreadPoolExecutor(2) as pool:
         futures = {role: pool.submit(run_scenario, SCENARIO, "run", role, paths, wd,
-                                     verl_src if role == "reload" else None, env=env, timeout=1200)
+                                     verl_src if role == "reload" else None, no_forward is None,
+                                     env=env, timeout=1200)
                    for role, env in jobs.items()}
         results = {role: f.result() for role, f in futures.items()}
     from safetensors.torch import load_file
@@ -57,6 +72,7 @@ def engines(artifacts):
     results["direct_state"] = load_file(os.path.join(wd, "w4_direct_state.safetensors"))
     results["paths"] = paths
     results["verl"] = verl_src is not None
+    results["no_forward"] = no_forward
     return results
 
 
@@ -87,10 +103,21 @@ def test_w4a16_checkpoint_is_served_by_vllms_cpu_w4a16_kernel(engines):
     assert r["kernel"] == d["kernel"] == "CPUWNA16LinearKernel"
     assert r["use_w4a8"] is False and d["use_w4a8"] is False
     assert r["spec"] == [engines["paths"]["group_size"], "ct"]
+
+
+def test_reloaded_engine_generates_what_the_engine_started_on_the_weights_generates(engines):
+    """Greedy tokens, sampled and prompt log-probs, exactly: B reloaded = the direct engine on
+    W4A16(B); A->B->A restores A's; a refused partial update leaves A's."""
+    if engines["no_forward"]:
+        pytest.skip(engines["no_forward"])
+    r, d = engines["reload"], engines["direct"]
     assert r["out_a"] != d["out"]  # A and B differ, so the reload has something to show
+    assert r["out_b"] == d["out"]
+    assert r["out_a2"] == r["out_a"]
+    assert r["out_after_partial"] == r["out_a"]
 
 
-def test_online_quantization_equals_offline_checkpoint_and_outputs_equal_direct_engine(engines):
+def test_online_quantization_equals_offline_checkpoint_and_processed_state_equals_direct_engine(engines):
     r, d = engines["reload"], engines["direct"]
     if engines["verl"]:  # B came through verl 0.9.1's bucketed path: one session over several buckets
         assert r["verl_errors"] == [] and r["stats"]["session"] and r["stats"]["calls"] > 1
@@ -98,7 +125,6 @@ def test_online_quantization_equals_offline_checkpoint_and_outputs_equal_direct_
         assert r["open_session"] is False
     assert r["n_quantized"] == 14 and r["quant_mismatch"] == []
     assert r["stats"]["closed"] == 8  # 2 layers x (qkv, o, gate_up, down), each through the direct repack
-    assert r["out_b"] == d["out"]  # greedy tokens, sampled and prompt log-probs, exactly
     a, b = engines["reload_state"], engines["direct_state"]
     assert set(a) == set(b)
     from .engine_scenario import bits_equal
@@ -108,7 +134,6 @@ def test_online_quantization_equals_offline_checkpoint_and_outputs_equal_direct_
 
 def test_reload_a_restores_everything_in_the_same_storage(engines):
     r = engines["reload"]
-    assert r["out_a2"] == r["out_a"]
     assert r["state_a_diff"] == []
     assert r["n_wna16_params"] == 16
     assert r["ptr_changed_b"] == [] and r["ptr_changed_a"] == []
@@ -124,7 +149,7 @@ def test_reload_peak_memory_is_within_a_tenth_over_the_largest_tensor(engines):
 def test_partial_fused_update_is_refused_and_engine_unchanged(engines):
     r = engines["reload"]
     assert r["partial_error"] and "ReloadError" in r["partial_error"] and "partly sent" in r["partial_error"]
-    assert r["out_after_partial"] == r["out_a"]
+    assert r["state_after_partial_diff"] == []  # every processed tensor as it was
 
 
 def test_w4a16_engine_start_refusals(artifacts):
@@ -142,8 +167,10 @@ def test_w4a16_engine_start_refusals(artifacts):
     from ascend_rl_plugins.features.flashrl.fp8_support import _amx
     extra = [{"VLLM_CPU_INT4_W4A8": "1"},
              {"VLLM_CPU_INT4_W4A8": "0", "ASCEND_RL_FLASHRL_INT4_GROUP_SIZE": "128"}]
+    # without the W4A16 matmul the engines start without their warm-up forward (the refusals
+    # come from the configuration and the weight processing, not from a forward)
     w4a8_err, group_err = run_scenario(SCENARIO, "start_errors", paths["bf16_a"], [paths["config"]] * 2, extra,
-                                       env=env, timeout=900)
+                                       _matmul_missing() is None, env=env, timeout=900)
     if _amx():
         assert w4a8_err and w4a8_err.startswith("ConfigError") and "VLLM_CPU_INT4_W4A8=0" in w4a8_err, w4a8_err
     else:

@@ -62,6 +62,22 @@ def build_artifacts(workdir: str, group_size: int = GROUP_SIZE, **model_override
 VERL_EXTENSION = "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"
 
 
+def without_warm_up_forward() -> None:
+    """Start engines in this process without the CPU model runner's warm-up forward.
+
+    For a vLLM CPU build that lacks the W4A16 matmul (``torch.ops._C.cpu_gemm_wna16``: vLLM's
+    AVX2 kernel library): the warm-up would call it and the engine would never start, although
+    everything the reload tests check -- the scheme and kernel vLLM selects, its weight
+    post-processing, flashrl's online quantization into the kernel's storage, the refusals --
+    runs without a matmul. Nothing else of the engine start changes; the callers generate
+    nothing in this mode."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    def warming_up_model_skipped(self) -> None:
+        return None
+    CPUModelRunner.warming_up_model = warming_up_model_skipped
+
+
 def make_llm(model: str, **kwargs):
     from vllm import LLM
     return LLM(model=model, enforce_eager=True, max_model_len=256, max_num_seqs=4, dtype="bfloat16", seed=0,
@@ -92,15 +108,23 @@ def _wna16_params(model) -> dict:
     return {n: p for n, p in model.named_parameters() if n.endswith((".weight_packed", ".weight_scale"))}
 
 
-def run(role: str, paths: dict, out_dir: str, verl_src: str | None = None) -> dict:
+def run(role: str, paths: dict, out_dir: str, verl_src: str | None = None, forward: bool = True) -> dict:
     """role "reload": serve W4A16(A) (flashrl swaps it in for A's BF16 path), reload BF16 B
     online (checked against the offline W4A16(B) bit for bit), then BF16 A again. With
     ``verl_src`` (verl 0.9.1's unpacked source) the engine carries verl's worker extension and
     B arrives through verl's bucketed update path (flashrl's session hook); A through
     ``model.load_weights``.
-    role "direct": serve W4A16(B) with stock vLLM (its own post-processing)."""
+    role "direct": serve W4A16(B) with stock vLLM (its own post-processing).
+    ``forward=False`` (a build without the W4A16 matmul): the engines start without their
+    warm-up forward and generate nothing (every ``out*`` is None); the rest is checked alike."""
     import torch
     from safetensors.torch import load_file, save_file
+
+    if not forward:
+        without_warm_up_forward()
+
+    def generate(llm):
+        return _generate(llm) if forward else None
 
     extra = {}
     if verl_src and role == "reload":
@@ -124,14 +148,14 @@ def run(role: str, paths: dict, out_dir: str, verl_src: str | None = None) -> di
            "kernel": type(getattr(getattr(layer, "scheme", None) or layer.quant_method.scheme, "kernel", None)).__name__,
            "use_w4a8": bool(getattr(layer, "use_w4a8", True))}
     if role == "direct":
-        res["out"] = _generate(llm)
+        res["out"] = generate(llm)
         save_file(_processed_state(model), os.path.join(out_dir, "w4_direct_state.safetensors"))
         return res
     from ascend_rl_plugins.features.flashrl import reload as rl
     state = rl.state_of(model)
     res["wrapped"] = state is not None
     res["spec"] = [state.int4_spec.group_size, state.int4_spec.preset] if state else None
-    res["out_a"] = _generate(llm)
+    res["out_a"] = generate(llm)
     state_a = _processed_state(model)
     ptrs0 = {n: p.data_ptr() for n, p in model.named_parameters()}
     res["n_wna16_params"] = len(_wna16_params(model))
@@ -155,11 +179,11 @@ def run(role: str, paths: dict, out_dir: str, verl_src: str | None = None) -> di
     res["quant_mismatch"] = mism
     state.keep_quantized = False
     state.last_quantized = None
-    res["out_b"] = _generate(llm)
+    res["out_b"] = generate(llm)
     save_file(_processed_state(model), os.path.join(out_dir, "w4_reload_state.safetensors"))
     res["ptr_changed_b"] = sorted(n for n, p in model.named_parameters() if p.data_ptr() != ptrs0.get(n))
     res["peak_a"] = torch_peak_extra(lambda: model.load_weights(stream_a))
-    res["out_a2"] = _generate(llm)
+    res["out_a2"] = generate(llm)
     now = _processed_state(model)
     res["state_a_diff"] = sorted(k for k in state_a if not bits_equal(state_a[k], now[k]))
     res["ptr_changed_a"] = sorted(n for n, p in model.named_parameters() if p.data_ptr() != ptrs0.get(n))
@@ -170,14 +194,19 @@ def run(role: str, paths: dict, out_dir: str, verl_src: str | None = None) -> di
         res["partial_error"] = None
     except Exception as exc:  # noqa: BLE001
         res["partial_error"] = f"{type(exc).__name__}: {exc}"
-    res["out_after_partial"] = _generate(llm)
+    after_partial = _processed_state(model)
+    res["state_after_partial_diff"] = sorted(k for k in now if not bits_equal(now[k], after_partial[k]))
+    res["out_after_partial"] = generate(llm)
     return res
 
 
-def start_errors(model: str, values: list, extra_env: list | None = None) -> list:
+def start_errors(model: str, values: list, extra_env: list | None = None, forward: bool = True) -> list:
     """For each value of ``ASCEND_RL_FLASHRL`` (with the matching dict of extra environment
-    variables): the error an engine start on ``model`` raises ("Type: message"), or None."""
+    variables): the error an engine start on ``model`` raises ("Type: message"), or None.
+    ``forward=False``: engines start without their warm-up forward (:func:`without_warm_up_forward`)."""
     from vllm import LLM
+    if not forward:
+        without_warm_up_forward()
 
     from ascend_rl_plugins import flags
     errors = []

@@ -6,6 +6,10 @@ plus seeded noise on every tensor (a training step), written next to W0's config
 
 ``run("direct", ...)``: a real vLLM CPU engine started on W1 -- the reference.
 
+Both record the CPU MoE path vLLM chose: on vLLM 0.23 the prepacked grouped-GEMM kernel where
+the loaded kernel library has it, else (AVX2-only x86) the torch fallback, which runs only with
+the cpu_fused_moe_fallback feature (on by default, applied by vLLM's plugin loading).
+
 ``run("reload", ...)``: a real vLLM CPU engine started on W0 receives W1: the dense tensors by
 name, the expert tensors from the real ``executor.reshard_experts`` (training layout TP1/EP1
 SequentialMLP, rollout TP1 -- a one-rank reshard on the process group vLLM itself initialized).
@@ -71,6 +75,28 @@ def _generate(llm) -> list:
     return out
 
 
+def moe_paths(model) -> list:
+    """Per FusedMoE layer, the CPU MoE path vLLM chose: on vLLM 0.23 the bound forward of its
+    ``CPUFusedMOE`` (``forward_grouped_gemm``: the prepacked kernel; ``forward_torch``: the torch
+    fallback of a kernel library without ``prepack_moe_weight``, e.g. AVX2-only x86); on 0.13 the
+    implementation's class."""
+    paths = []
+    for module in model.modules():
+        impl = getattr(getattr(module, "quant_method", None), "cpu_fused_moe", None)
+        if impl is not None:
+            method = getattr(impl, "forward_method", None)
+            paths.append(getattr(method, "__name__", None) or type(impl).__name__)
+    return paths
+
+
+def _fallback_fix_state() -> str | None:
+    """State of cpu_fused_moe_fallback's patch in this engine process (vLLM's plugin loading
+    applies it), which the torch fallback needs on vLLM 0.23."""
+    from ascend_rl_plugins.patching.core import REGISTRY
+    patch = REGISTRY.patches.get("cpu_fused_moe_fallback.static_silu_activation")
+    return None if patch is None else patch.outcome.state
+
+
 def _save_state(model, path: str) -> None:
     from safetensors.torch import save_file
     save_file({n: p.detach().clone().contiguous() for n, p in model.named_parameters()}, path)
@@ -108,7 +134,7 @@ def run(role: str, paths: dict, out_dir: str) -> dict:
               seed=0, gpu_memory_utilization=0.5)
     runner = _runner(llm)
     model = runner.model
-    res = {"vllm": vllm.__version__}
+    res = {"vllm": vllm.__version__, "moe_paths": moe_paths(model), "fallback_fix": _fallback_fix_state()}
     from ascend_rl_plugins.features.moe_reshard import vllm_side
     res["rpc"] = llm.collective_rpc(vllm_side.worker_rollout_info)
     if role == "direct":

@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.stacks import running_stack
 
 MODULE = "tests.features.moe_reshard.engine_scenario"
 ENV = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
@@ -43,6 +44,23 @@ def engines(tmp_path_factory):
         got = {role: job.result() for role, job in jobs.items()}
     got["compare"] = run_scenario(MODULE, "compare", out, ["stock", "patched", "narrowed"], env=ENV)
     return got
+
+
+def test_the_engines_ran_the_cpu_moe_path_the_installed_build_offers(engines):
+    """vLLM 0.23: the prepacked kernel where the loaded library has prepack_moe_weight, else the
+    torch fallback (AVX2-only x86), which runs because cpu_fused_moe_fallback is applied."""
+    if running_stack() != "current":
+        pytest.skip("vLLM 0.13 (recipe) has no CPUFusedMOE path choice to check")
+    from tests.support.cpu_isa import vllm_cpu_ops
+    kernel = vllm_cpu_ops()["prepack_moe_weight"]
+    for role in ("reload", "direct"):
+        r = engines[role]
+        assert len(r["moe_paths"]) == 2, r["moe_paths"]
+        if kernel:
+            assert set(r["moe_paths"]) == {"forward_grouped_gemm"}, (role, r["moe_paths"])
+        else:
+            assert set(r["moe_paths"]) == {"forward_torch"}, (role, r["moe_paths"])
+            assert r["fallback_fix"] == "applied", (role, r["fallback_fix"])
 
 
 def _tokens(outs):

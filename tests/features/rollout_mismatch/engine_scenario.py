@@ -8,6 +8,12 @@ rollout sequences, returns its prompt log-probs on them, the (codes, scales) vLL
 (captured before the CPU kernel repacks them) and, per quantized linear, the weight the
 engine really multiplies by (its ``apply`` on an identity matrix).
 
+Where the installed vLLM build has no W4A16 matmul on this CPU (``rollout_w4a16(...,
+forward=False)``: vLLM's AVX2 kernel library lacks ``cpu_gemm_wna16``), the W4A16 engine starts
+without its warm-up forward, samples nothing and probes no effective weight; it still reports
+its scheme and kernel, compares the (codes, scales) it loaded with ``int4.quantize`` of the BF16
+checkpoint (the trainer's weights), and reloads the Megatron export (re-quantized codes only).
+
 ``rollout_bf16_and_trainer``: the BF16 tiny Qwen3 in a real vLLM engine (prompt log-probs on
 the same sequences), then the HF transformers model (the trainer) in bf16, once as is and
 once with every decoder linear replaced by ``flashrl.int4.fake_quantize`` (the INT4 QAT
@@ -98,10 +104,10 @@ def w4a16_dir(workdir: str, group: int) -> str:
     return out
 
 
-def _effective_weights(model, loaded: dict | None = None) -> dict:
+def _effective_weights(model, loaded: dict | None = None, forward: bool = True) -> dict:
     """Per quantized fused linear: the weight the engine's kernel multiplies by (its ``apply``
-    on an identity matrix, ``[out, in]``) and, with ``loaded``, the (packed, scale) vLLM's
-    loader put in the layer."""
+    on an identity matrix, ``[out, in]``; None without ``forward``: no W4A16 matmul here) and,
+    with ``loaded``, the (packed, scale) vLLM's loader put in the layer."""
     import torch
     layers = {}
     with torch.inference_mode():
@@ -110,7 +116,7 @@ def _effective_weights(model, loaded: dict | None = None) -> dict:
                 mod = getattr(layer.self_attn, fused, None) or getattr(layer.mlp, fused)
                 in_features = int(mod.input_size_per_partition)
                 eye = torch.eye(in_features, dtype=torch.bfloat16)
-                rec = {"effective": mod.quant_method.apply(mod, eye).t().contiguous(),
+                rec = {"effective": mod.quant_method.apply(mod, eye).t().contiguous() if forward else None,
                        "scheme": type(mod.scheme).__name__,
                        "kernel": type(getattr(mod.scheme, "kernel", None)).__name__}
                 if loaded is not None:
@@ -119,9 +125,25 @@ def _effective_weights(model, loaded: dict | None = None) -> dict:
     return layers
 
 
-def reload_megatron_export(llm, export_path: str) -> dict:
+def _codes_mismatch(engine_layers: dict, masters: dict, spec) -> list:
+    """Engine layers whose loaded (packed, scale) are not ``int4.quantize`` of the trainer's
+    master weights of their parts (``masters``: HF linear name -> weight)."""
+    import torch
+    from ascend_rl_plugins.features.flashrl import int4
+    wrong = []
+    for name, rec in engine_layers.items():
+        prefix, fused = name.rsplit(".", 1)
+        parts = [f"{prefix}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{p}" for p in FUSED[fused]]
+        codes, scale = int4.quantize(torch.cat([masters[p] for p in parts], dim=0), spec)
+        if not (torch.equal(int4.pack(codes), rec["packed"]) and scale.dtype == rec["scale"].dtype
+                and torch.equal(scale, rec["scale"])):
+            wrong.append(name)
+    return wrong
+
+
+def reload_megatron_export(llm, export_path: str, forward: bool = True) -> dict:
     """flashrl's in-place W4A16 reload of the Megatron QAT trainer's exported (master) weights;
-    the engine's re-quantized (packed, scale) and effective weights afterwards."""
+    the engine's re-quantized (packed, scale) and (with ``forward``) effective weights afterwards."""
     import torch
     from ascend_rl_plugins.features.flashrl import reload as rl
     model = _model(llm)
@@ -134,17 +156,20 @@ def reload_megatron_export(llm, export_path: str) -> dict:
     quantized = {k: (p.clone(), s.clone()) for k, (p, s) in state.last_quantized.items()}
     state.keep_quantized = False
     state.last_quantized = None
-    after = _effective_weights(model)
-    torch.save({"quantized": quantized, "effective": {k: v["effective"] for k, v in after.items()}},
+    after = _effective_weights(model, forward=forward)
+    torch.save({"quantized": quantized,
+                "effective": {k: v["effective"] for k, v in after.items()} if forward else None},
                os.path.join(os.path.dirname(export_path), "engine_after_reload.pt"))
     return {"reload_spec": [state.int4_spec.group_size, state.int4_spec.preset], "reloaded": len(quantized)}
 
 
 @failing_marks("sequences.json")
-def rollout_w4a16(workdir: str, group: int, export_path: str | None = None) -> dict:
+def rollout_w4a16(workdir: str, group: int, export_path: str | None = None, forward: bool = True) -> dict:
     """Serve W4A16 through flashrl (the BF16 path + ``ASCEND_RL_FLASHRL`` naming the W4A16
     checkpoint, as verl would start it), sample, score, probe; then, with ``export_path``,
-    reload the Megatron QAT trainer's weights in place and probe again."""
+    reload the Megatron QAT trainer's weights in place and probe again. Without ``forward``
+    (no W4A16 matmul in this vLLM build): no warm-up, no sampling, no effective weights; the
+    loaded codes and scales are compared here with the BF16 checkpoint's."""
     import torch
     from ascend_rl_plugins import flags
     from ascend_rl_plugins.devtools import tiny_qwen3
@@ -168,12 +193,30 @@ def rollout_w4a16(workdir: str, group: int, export_path: str | None = None) -> d
     os.environ["ASCEND_RL_FLASHRL"] = cfg
     os.environ["ASCEND_RL_FLASHRL_INT4_GROUP_SIZE"] = str(group)   # = the trainer's ASCEND_RL_INT4_QAT_GROUP_SIZE
     flags.reset_cache()
+    if not forward:
+        from tests.features.flashrl.w4a16_engine_scenario import without_warm_up_forward
+        without_warm_up_forward()
     scheme_cls.process_weights_after_loading = capture
     try:
         llm = _llm(tiny_qwen3.cached())
     finally:
         scheme_cls.process_weights_after_loading = original
     model = _model(llm)
+    if not forward:
+        from ascend_rl_plugins.features.flashrl import int4
+        from ascend_rl_plugins.features.flashrl.profile import read_tensors
+        layers = _effective_weights(model, loaded, forward=False)
+        masters = {n[: -len(".weight")]: t for n, t in read_tensors(tiny_qwen3.cached()).items()
+                   if n.endswith(".weight") and ".layers." in n and n.rsplit(".", 2)[-2] in LINEARS}
+        out = {"served": llm.llm_engine.model_config.model,
+               "schemes": sorted({v["scheme"] for v in layers.values()}),
+               "kernels": sorted({v["kernel"] for v in layers.values()}),
+               "quantized_linears": len(masters), "engine_layers_checked": len(layers),
+               "codes_mismatch": _codes_mismatch(layers, masters, int4.Int4Spec(group_size=group, preset="ct"))}
+        if export_path:
+            _wait_for(export_path + ".done")
+            out.update(reload_megatron_export(llm, export_path, forward=False))
+        return out
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS]
     requests = [(i, j, ids) for i, ids in enumerate(prompts) for j in range(SAMPLES_PER_PROMPT)]
@@ -253,17 +296,12 @@ def rollout_bf16_and_trainer(workdir: str, group: int) -> dict:
 
     # the engine's view of the same weights: loaded (codes, scales) and effective weights
     engine = torch.load(os.path.join(workdir, "engine_w4a16_layers.pt"), weights_only=False)
-    codes_mismatch, effective_mismatch, checked = [], [], 0
+    codes_mismatch = _codes_mismatch(engine, masters, spec)
+    effective_mismatch, checked = [], 0
     for name, rec in engine.items():
         prefix, fused = name.rsplit(".", 1)
         parts = [f"{prefix}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{p}" for p in FUSED[fused]]
-        master = torch.cat([masters[p] for p in parts], dim=0)
         fq = torch.cat([dict(model.named_modules())[p].weight.detach() for p in parts], dim=0)
-        codes, scale = int4.quantize(master, spec)
-        packed = int4.pack(codes)
-        if not (torch.equal(packed, rec["packed"]) and scale.dtype == rec["scale"].dtype
-                and torch.equal(scale, rec["scale"])):
-            codes_mismatch.append(name)
         if not (rec["effective"].dtype == fq.dtype and torch.equal(rec["effective"], fq)):
             diff = (rec["effective"].float() - fq.float()).abs()
             effective_mismatch.append(f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, "

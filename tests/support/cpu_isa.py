@@ -1,0 +1,94 @@
+"""What vLLM's CPU backend can run in this interpreter, and how to see it as an AVX2-only CPU would.
+
+vLLM 0.23's x86 CPU wheel ships three kernel libraries and loads one of them, chosen by asking
+torch about the CPU (``CpuPlatform.import_kernels``): ``_C`` (AVX-512 with BF16, AMX),
+``_C_AVX512`` or ``_C_AVX2``. ``_C_AVX2`` has no ``cpu_gemm_wna16`` (the W4A16 matmul of
+``CPUWNA16LinearKernel``) and no ``prepack_moe_weight`` (without it ``CPUFusedMOE`` falls back to
+its torch path). Tests decide from what the loaded library offers (:func:`vllm_cpu_ops`), never
+from the CPU flags of the machine they were written on.
+
+``ARP_TEST_CPU_ISA=avx2`` (read by tests/conftest.py, tests/support/child.py and the engine
+site hook) makes every test process answer torch's ISA probes as an AVX2-only x86-64 CPU does
+(no AVX-512, no AMX) before vLLM loads its kernels: vLLM then loads its real ``_C_AVX2`` library
+and picks the kernels it picks on such a CPU. Only vLLM's choice changes; torch's own kernels
+still use the host's ISA. This is how an AMX development machine reproduces the AVX2-only CI
+failures (README of tests, issue 25):
+
+    ARP_TEST_CPU_ISA=avx2 python -m pytest tests/features/moe_reshard/test_engine.py
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+ENV = "ARP_TEST_CPU_ISA"
+SIMULATED = ("avx2",)
+
+
+def simulate_avx2_only() -> None:
+    """Make torch report an AVX2-only x86-64 CPU (no AVX-512, no AVX-512 BF16, no AMX) in this
+    process. Must run before vLLM imports its kernel library (its platform asks these probes).
+
+    TorchInductor asks the same probes and then generates AVX2 code; sharing its cache with
+    processes of the real CPU crashed a simulated engine (SIGBUS in a cached kernel of vLLM's
+    compiled sampler, reproducibly), and separate caches do not. So simulated processes compile
+    into their own TorchInductor and vLLM caches, under ASCEND_RL_CACHE."""
+    from ascend_rl_plugins.doctor import cache_dir
+    root = os.path.join(cache_dir(), "simulated-cpu", "avx2")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "torchinductor")
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, "vllm")
+    import torch.cpu
+    for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
+                  "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, probe):
+            setattr(torch.cpu, probe, _answer_no)
+
+
+def _answer_no() -> bool:
+    return False
+
+
+def apply_from_env() -> str | None:
+    """Apply the simulation ``ARP_TEST_CPU_ISA`` asks for (None: the real CPU); returns its value."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in SIMULATED:
+        raise ValueError(f"{ENV}={value!r}: accepted values are {', '.join(SIMULATED)} (or unset)")
+    simulate_avx2_only()
+    return value
+
+
+def probe_vllm_cpu_ops(ops: list) -> dict:
+    """Scenario (fresh interpreter): load vLLM's CPU kernel library as an engine would, and say
+    which of ``ops`` ``torch.ops._C`` has, plus whether torch reports AMX."""
+    import torch
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+    found = {op: hasattr(torch.ops._C, op) for op in ops}
+    return {"ops": found, "amx": bool(torch.cpu._is_amx_tile_supported())}
+
+
+# the vLLM CPU ops whose absence changes what a test can run (one probe per session asks for all)
+PROBED_OPS = ("cpu_gemm_wna16", "prepack_moe_weight")
+
+
+@functools.lru_cache(maxsize=1)
+def vllm_cpu_ops() -> dict:
+    """``{op: present}`` for ``torch.ops._C.<op>`` of every op in :data:`PROBED_OPS`, after vLLM
+    loads its CPU kernels in a fresh interpreter of this stack (with this process's
+    ``ARP_TEST_CPU_ISA``); asked once per test session."""
+    from tests.support.child import run_scenario
+    return run_scenario("tests.support.cpu_isa", "probe_vllm_cpu_ops", list(PROBED_OPS), timeout=300)["ops"]
+
+
+def missing_vllm_cpu_op(op: str, used_by: str) -> str | None:
+    """The skip reason when the installed vLLM CPU build lacks ``torch.ops._C.<op>`` on this CPU
+    (``used_by``: what calls it), else None. ``op`` must be one of :data:`PROBED_OPS`."""
+    if vllm_cpu_ops()[op]:
+        return None
+    simulated = os.environ.get(ENV)
+    cpu = f"this CPU as {ENV}={simulated} simulates it" if simulated else "this CPU"
+    return (f"the installed vLLM CPU build has no torch.ops._C.{op} on {cpu} (vLLM's AVX2 kernel library "
+            f"lacks it); {used_by} cannot run here")
