@@ -12,8 +12,13 @@ os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
 from tests.support import cpu_isa  # noqa: E402
 from tests.support.stacks import running_stack, vllm_version  # noqa: E402
 
-if os.environ.get(cpu_isa.ENV):  # only then: the pytest process imports torch for it
+if os.environ.get(cpu_isa.ENV):  # a post-import hook: applied when torch is imported
     cpu_isa.apply_from_env()
+    # ... and in every process the suite starts, through a sitecustomize on PYTHONPATH
+    _repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.join(_repo, "tests", "support", "simulated_cpu_site"), _repo,
+                    os.environ.get("PYTHONPATH", "")) if p)
 
 
 def pytest_report_header(config):

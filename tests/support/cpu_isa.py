@@ -30,15 +30,24 @@ def simulate_avx2_only() -> None:
     """Make torch report an AVX2-only x86-64 CPU (no AVX-512, no AVX-512 BF16, no AMX) in this
     process. Must run before vLLM imports its kernel library (its platform asks these probes).
 
+    Lazy: the probes are replaced when torch is imported (a wrapt post-import hook; at once if it
+    already is), so a process that never imports torch stays free of it and of this package --
+    the tests that hold the plugin to importing no torch run under the simulation too.
+
     TorchInductor asks the same probes and then generates AVX2 code; sharing its cache with
     processes of the real CPU crashed a simulated engine (SIGBUS in a cached kernel of vLLM's
     compiled sampler, reproducibly), and separate caches do not. So simulated processes compile
-    into their own TorchInductor and vLLM caches, under ASCEND_RL_CACHE."""
-    from ascend_rl_plugins.doctor import cache_dir
-    root = os.path.join(cache_dir(), "simulated-cpu", "avx2")
+    into their own TorchInductor and vLLM caches, under ASCEND_RL_CACHE (the location rule of
+    ``ascend_rl_plugins.doctor.cache_dir``, not imported here for the reason above)."""
+    import wrapt
+    cache = os.environ.get("ASCEND_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ascend-rl")
+    root = os.path.join(cache, "simulated-cpu", "avx2")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "torchinductor")
     os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, "vllm")
-    import torch.cpu
+    wrapt.register_post_import_hook(_answer_probes_as_avx2_only, "torch")
+
+
+def _answer_probes_as_avx2_only(torch) -> None:
     for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
                   "_is_amx_tile_supported", "_is_amx_fp16_supported"):
         if hasattr(torch.cpu, probe):
