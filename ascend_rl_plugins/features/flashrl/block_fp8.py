@@ -83,15 +83,12 @@ def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None, name: 
 
 
 def _fused_usable(weight, bn: int, bk: int) -> bool:
-    import torch
     from . import fused
-    if weight.dtype not in (torch.bfloat16, torch.float32) or not fused.wanted(weight.device):
-        return False
 
     def check():
         probe = fused.probe_weight(weight.device, weight.dtype, rows=3 * bn, cols=8 * bk)
         return all(map(fused.same_bits, _fused(probe, bn, bk, None, None), quantize_torch(probe, (bn, bk))))
-    return fused.verified(f"block_fp8 {bn}x{bk}", weight.device, weight.dtype, check)
+    return fused.usable(f"block_fp8 {bn}x{bk}", weight, check)
 
 
 def _fused(weight, bn: int, bk: int, out_weight, out_scale_inv):
@@ -101,8 +98,8 @@ def _fused(weight, bn: int, bk: int, out_weight, out_scale_inv):
     from . import fused
     n, k = weight.shape
     fn = fused.compiled("block_fp8", (str(weight.dtype), k), bn=bn, bk=bk)
-    fp8_max = fused.scalar(FP8_MAX, weight.device)
-    eps = fused.scalar(_F32_EPS, weight.device, torch.float32)
+    fp8_max = device_math.constant(FP8_MAX, weight, torch.float64)
+    eps = device_math.constant(_F32_EPS, weight)
     if out_weight is None and out_scale_inv is None and n:
         return fn(weight, fp8_max, eps)
     out_weight, out_scale_inv = _outputs(weight, n, k, n // bn, k // bk, out_weight, out_scale_inv)

@@ -66,23 +66,16 @@ def _same(a, b) -> bool:
     return same_bits(a.reshape(-1), b.reshape(-1))
 
 
-def _weight(shape, dtype, device, seed: int):
+def _weight(shape, dtype, device, seed: int, *, on_device: bool = False):
+    """A random weight with a few outlier columns, as real weights have. Drawn on the CPU (the
+    same bits on every device: the identity checks' input), or with ``on_device`` on the device
+    itself (the large speed-check weight: host RAM and PCIe are not the point there)."""
     import torch
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=g, dtype=torch.float32) * 0.02
-    w[:, :: max(1, shape[1] // 7)] *= 30.0        # a few outlier columns, as real weights have
-    return w.to(dtype).to(device)
-
-
-def _weight_on_device(shape, dtype, device, seed: int):
-    """A large random weight made on the device itself (host RAM and PCIe are not the point)."""
-    import torch
-    if device.type == "cpu":
-        return _weight(shape, dtype, device, seed)
-    g = torch.Generator(device=device).manual_seed(seed)
-    w = torch.randn(shape, generator=g, dtype=torch.float32, device=device).mul_(0.02)
+    where = device if on_device and device.type != "cpu" else torch.device("cpu")
+    g = torch.Generator(device=where).manual_seed(seed)
+    w = torch.randn(shape, generator=g, dtype=torch.float32, device=where).mul_(0.02)
     w[:, :: max(1, shape[1] // 7)] *= 30.0
-    return w.to(dtype)
+    return w.to(dtype).to(device)
 
 
 def identity_checks(ctx, shape, extra_shape) -> list:
@@ -158,7 +151,7 @@ def speed_checks(ctx, shape) -> list:
         return [CheckResult("flashrl", "speed vs replaced formulas", None,
                             "on CPU: benchmarks/bench_low_precision.py measures the numba kernels")]
     n, k = shape
-    w = _weight_on_device(shape, torch.bfloat16, ctx.device, seed=3)
+    w = _weight(shape, torch.bfloat16, ctx.device, seed=3, on_device=True)
     bandwidth = ctx.copy_bandwidth(min(w.numel() * 2, 1 << 30))
     results = [CheckResult("flashrl", "device copy bandwidth", True, "",
                            {"GB/s (read + write)": bandwidth / 1e9})]

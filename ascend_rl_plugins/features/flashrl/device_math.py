@@ -29,13 +29,30 @@ class NonFiniteWeightError(ValueError):
     codes meaningless. Raised instead of writing them (the message names the tensor)."""
 
 
-def constant(value: float, like):
-    """``value`` as a 0-dim float32 tensor on ``like``'s device: a divisor every backend divides
-    by exactly (a host scalar would be turned into a reciprocal multiply on CUDA). 0-dim, so it
-    does not change the result dtype of ``like / constant`` (type promotion treats it as a
-    scalar); the constants used here (7, 7.5, 127, 448) are exact in bf16 and fp16 too."""
+_CONSTANTS: dict = {}  # (value, dtype, device) -> 0-dim tensor; per process, see reset_constants
+
+
+def constant(value: float, where, dtype=None):
+    """``value`` as a 0-dim tensor (float32 unless ``dtype``) on the device of ``where`` (a tensor
+    or a device): a divisor every backend divides by exactly (a host scalar would be turned
+    into a reciprocal multiply on CUDA), and an input the compiled formulas cannot fold into a
+    constant (:mod:`.fused`). 0-dim, so it does not change the result dtype of ``x / constant``
+    (type promotion treats it as a scalar); the constants used here (7, 7.5, 127, 448) are
+    exact in bf16 and fp16 too. Made once per (value, dtype, device) and process: the
+    quantizers only read it."""
     import torch
-    return torch.full((), value, dtype=torch.float32, device=like.device)
+    dtype = dtype or torch.float32
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    key = (float(value), dtype, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+    return t
+
+
+def reset_constants() -> None:
+    """Drop the cached constants (tests; or to free them with their device)."""
+    _CONSTANTS.clear()
 
 
 def divide(x, value: float, *, inplace: bool = False):

@@ -15,7 +15,7 @@ Bit identity with the CPU kernels and the eager torch path rests on three rules:
   values, rounded to float32, is the correctly rounded float32 quotient (double rounding is
   innocuous for a division when the wide format has at least 2p + 2 bits: 53 >= 2 * 24 + 2),
   and float64 division has only the IEEE-rounded form in PTX. The divisors are tensor
-  inputs, never constants, so no reciprocal is substituted.
+  inputs (``device_math.constant``), never constants, so no reciprocal is substituted.
 * **bf16 rounding on the bit pattern** (:func:`_round_bf16`): eager torch rounds a bf16
   quotient to bf16 before the next step; inductor may keep intermediates in float32, so
   that rounding is written out as integer ops it cannot drop.
@@ -45,7 +45,7 @@ _LOCK = threading.Lock()
 @dataclass
 class _State:
     """Per-process memory of this module: compiled functions and the verdict of each probe."""
-    compiled: dict
+    compiled: dict      # (kind, variant, static arguments) -> compiled formula
     verdicts: dict      # (kind, device type, dtype) -> True (use compiled) / False (eager)
     reasons: dict       # same keys -> why the compiled form is not used
     warned: set
@@ -215,16 +215,14 @@ def compiled(kind: str, variant: tuple = (), rows_args: tuple = (0,), **static):
         return fn
 
 
-def scalar(value: float, device, dtype=None):
-    """A 0-dim tensor input of the compiled formulas (never a constant: see the module docstring);
-    made once per (value, dtype, device) and process."""
+def usable(kind: str, weight, check) -> bool:
+    """Whether a quantizer should run the compiled form ``kind`` on ``weight``: a bf16/float32
+    weight on a device where it is wanted (:func:`wanted`), and ``check()`` (compiled == eager
+    on a probe, bit for bit) passed there at first use (:func:`verified`)."""
     import torch
-    dtype = dtype or torch.float64
-    key = ("scalar", value, str(dtype), str(device))
-    t = STATE.compiled.get(key)
-    if t is None:
-        t = STATE.compiled[key] = torch.full((), value, dtype=dtype, device=device)
-    return t
+    if weight.dtype not in (torch.bfloat16, torch.float32) or not wanted(weight.device):
+        return False
+    return verified(kind, weight.device, weight.dtype, check)
 
 
 # -- verification ---------------------------------------------------------------------------------

@@ -343,11 +343,7 @@ def quantize_pack_torch(weight, spec: Int4Spec, *, out_packed=None, out_scale=No
 def _fused_usable(weight, spec: Int4Spec) -> bool:
     """bf16/float32 weight on an accelerator whose compiled INT4 kernel passed its first-use
     check (against :func:`quantize_pack_torch` and :func:`fake_quantize_torch` on a probe)."""
-    import torch
     from . import fused
-    if weight.dtype not in (torch.bfloat16, torch.float32) or not fused.wanted(weight.device):
-        return False
-    _check(weight, spec)
 
     def check():
         probe = fused.probe_weight(weight.device, weight.dtype)
@@ -357,7 +353,19 @@ def _fused_usable(weight, spec: Int4Spec) -> bool:
                             quantize_torch(probe, spec)))
                 and fused.same_bits(_fused_blocks(probe, spec, "fake", None, None, None),
                                     fake_quantize_torch(probe, spec)))
-    return fused.verified(f"int4 {spec.preset} g{spec.group_size}", weight.device, weight.dtype, check)
+    return fused.usable(f"int4 {spec.preset} g{spec.group_size}", weight, check)
+
+
+def _compiled_formula(weight, spec: Int4Spec, output: str):
+    """``(compiled fn, its tensor arguments after the weight)``: :func:`.fused.int4_formula` for
+    this weight's dtype and width, ``spec`` and ``output`` (also what the QAT self-test times)."""
+    import torch
+    from . import fused
+    cols = weight.shape[-1]
+    fn = fused.compiled("int4", (str(weight.dtype), cols), group=spec.group_size, ct=spec.preset == "ct",
+                        bf16_weight=weight.dtype == torch.bfloat16, qmin=float(spec.qmin), output=output)
+    return fn, (device_math.constant(spec.divisor, weight, torch.float64),
+                device_math.constant(torch.finfo(spec.scale_dtype(weight.dtype)).eps, weight))
 
 
 def _fused_blocks(weight, spec: Int4Spec, output: str, out_main, out_scale, name):
@@ -365,16 +373,10 @@ def _fused_blocks(weight, spec: Int4Spec, output: str, out_main, out_scale, name
     else in row blocks whose temporary output is about the device block size, copied into
     ``out_main`` / ``out_scale``."""
     import torch
-    from . import fused
     sh = _check(weight, spec)
     w2 = weight.detach().reshape(sh.rows, sh.cols)
-    ct, bf16 = spec.preset == "ct", weight.dtype == torch.bfloat16
     sdt = spec.scale_dtype(weight.dtype)
-    divisor = fused.scalar(spec.divisor, weight.device)
-    eps = fused.scalar(torch.finfo(sdt).eps, weight.device, torch.float32)
-    fn = fused.compiled("int4", (str(weight.dtype), sh.cols), group=spec.group_size, ct=ct, bf16_weight=bf16, qmin=float(spec.qmin),
-                        output=output)
-    args = (divisor, eps)
+    fn, args = _compiled_formula(weight, spec, output)
     if output == "fake":
         if not sh.rows:
             return torch.empty_like(weight)

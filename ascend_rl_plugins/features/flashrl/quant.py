@@ -91,7 +91,7 @@ def quantize_int8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = N
         from . import _cpu_kernels
         out, scale_out = _cpu_kernels.quantize_int8_rows_cpu(weight, col_smooth, row_gain, out=out,
                                                              scale_out=scale_out)
-    elif weight.dtype in (torch.bfloat16, torch.float32) and _fused_usable("int8_rows", weight):
+    elif _fused_usable("int8_rows", weight):
         out, scale_out = _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes)
     else:
         out, scale_out = _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes)
@@ -143,8 +143,6 @@ def _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes):
 def _fused_usable(kind: str, weight) -> bool:
     """The compiled form of ``kind`` is wanted on this device and passed its first-use check."""
     from . import fused
-    if not fused.wanted(weight.device):
-        return False
 
     def check():
         probe = fused.probe_weight(weight.device, weight.dtype)
@@ -153,25 +151,14 @@ def _fused_usable(kind: str, weight) -> bool:
                            _int8_rows_eager(probe, None, None, None, None, None)))
         return all(map(fused.same_bits, _fp8_rows_fused(probe, None, None, None, None, None),
                        _fp8_rows_eager(probe, None, None, "channel", None, None, None)))
-    return fused.verified(kind, weight.device, weight.dtype, check)
-
-
-def _fused_rows(n: int, k: int, out_bytes_per_elem: int, block_bytes, device, whole: bool) -> int:
-    """Rows per compiled call when writing into given outputs: blocks whose temporary output is
-    about ``block_bytes`` (a returned result is computed in one call: the compiled kernel keeps
-    no float32 copy of the weight)."""
-    if whole:
-        return max(1, n)
-    return max(1, device_math.block_bytes_for(device, block_bytes) // max(1, out_bytes_per_elem * k))
+    return fused.usable(kind, weight, check)
 
 
 def _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
-    from . import fused
-    out, scale_out = _rows_fused("int8_rows", weight, col_smooth, row_gain,
-                                 _int8_outputs(weight, out, scale_out), out is None and scale_out is None,
-                                 (fused.scalar(QMAX, weight.device),
-                                  fused.scalar(MIN_SCALE * QMAX, weight.device, torch.float32)), block_bytes)
-    return out, scale_out
+    return _rows_fused("int8_rows", weight, col_smooth, row_gain, _int8_outputs(weight, out, scale_out),
+                       out is None and scale_out is None,
+                       (device_math.constant(QMAX, weight, torch.float64),
+                        device_math.constant(MIN_SCALE * QMAX, weight)), block_bytes)
 
 
 def _rows_fused(kind, weight, col_smooth, row_gain, outputs, whole: bool, scalars, block_bytes):
@@ -184,7 +171,7 @@ def _rows_fused(kind, weight, col_smooth, row_gain, outputs, whole: bool, scalar
     fn = fused.compiled(kind, (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
     if whole and n:
         return fn(weight, col, gain, *scalars)
-    rows = _fused_rows(n, k, 1, block_bytes, weight.device, False)
+    rows = max(1, device_math.block_bytes_for(weight.device, block_bytes) // max(1, k))  # 1-byte codes
     scale_view = scale_out.view(n, 1)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
@@ -217,8 +204,7 @@ def quantize_fp8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = No
         raise ValueError(f"strategy must be one of {FP8_STRATEGIES}, got {strategy!r}")
     if weight.dim() != 2:
         raise ValueError(f"quantize_fp8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
-    if (strategy == "channel" and weight.dtype in (torch.bfloat16, torch.float32)
-            and _fused_usable("fp8_rows", weight)):
+    if strategy == "channel" and _fused_usable("fp8_rows", weight):
         out, scale_out = _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes)
     else:
         out, scale_out = _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, block_bytes)
@@ -298,11 +284,10 @@ def _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, bloc
 
 
 def _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
-    from . import fused
     return _rows_fused("fp8_rows", weight, col_smooth, row_gain, _fp8_outputs(weight, "channel", out, scale_out),
                        out is None and scale_out is None,
-                       (fused.scalar(FP8_MAX, weight.device),
-                        fused.scalar(torch.finfo(torch.float32).eps, weight.device, torch.float32)), block_bytes)
+                       (device_math.constant(FP8_MAX, weight, torch.float64),
+                        device_math.constant(torch.finfo(torch.float32).eps, weight)), block_bytes)
 
 
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

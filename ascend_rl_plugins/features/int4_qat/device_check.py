@@ -35,11 +35,7 @@ def run(ctx) -> list:
     ratio = fq / mm
     metrics = {"fake-quant ms": fq * 1e3, "matmul ms": mm * 1e3, "ratio": ratio}
     if int4._fused_usable(w, spec):  # where the time goes: the compiled kernel alone, no finiteness sync
-        from ..flashrl import fused
-        import torch as _torch
-        fn = fused.compiled("int4", (str(w.dtype), cols), group=128, ct=True, bf16_weight=True, qmin=-8.0,
-                            output="fake")
-        args = (fused.scalar(7.5, w.device), fused.scalar(_torch.finfo(_torch.bfloat16).eps, w.device, _torch.float32))
+        fn, args = int4._compiled_formula(w, spec, "fake")
         metrics["compiled kernel alone ms"] = ctx.seconds(lambda: fn(w, *args)) * 1e3
     results.append(CheckResult(
         "int4_qat", f"cost: fake-quant ({rows}, {cols}) vs its forward matmul ({tokens} tokens)", True, "",
