@@ -54,6 +54,12 @@ PRESET = flags.define(
     "'slime' (slime's scale amax/7 in bf16, codes -7..7). Unset: 'slime' when QAT was switched on "
     "with OPEN_TRAINING_INT4_FAKE_QAT_FLAG, else 'ct'. Must equal the rollout's preset.",
     choices=("ct", "slime"), feature="int4_qat")
+FAKE_WEIGHT_CACHE = flags.define(
+    "ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE", "enum", "off",
+    "'step': fake-quantize each weight once per optimizer step and reuse it in every training "
+    "micro-batch and recompute forward of that step (exact: the same tensor); costs up to one copy of "
+    "the in-scope weights between micro-batches (fake_weight_cache.py). 'off': on every forward.",
+    choices=("off", "step"), feature="int4_qat")
 
 FEATURE = Feature(
     "int4_qat", "INT4 quantization-aware training (straight-through fake quant) on Megatron-Core, "
@@ -97,6 +103,10 @@ def preset() -> str:
 def spec():
     from ..flashrl.int4 import Int4Spec
     return Int4Spec(group_size=group_size(), preset=preset())
+
+
+def fake_weight_cache_enabled() -> bool:
+    return FAKE_WEIGHT_CACHE.value == "step"
 
 
 def scope() -> str:

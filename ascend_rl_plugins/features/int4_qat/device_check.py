@@ -11,6 +11,7 @@ rolled-out one).
 from __future__ import annotations
 
 TARGET = 0.3
+MICRO_BATCHES = 4   # for the amortized figure of the step cache: micro-batches per optimizer step
 
 
 def run(ctx) -> list:
@@ -42,4 +43,58 @@ def run(ctx) -> list:
         metrics,
         f"<= {TARGET}x the matmul" if ctx.device.type != "cpu" else "",
         ratio <= TARGET if ctx.device.type != "cpu" else None))
+    results.append(_step_cache(ctx, w, spec, fq, mm))
     return results
+
+
+def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
+    """``ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE=step``: the first training forward of a step
+    fake-quantizes, the later ones reuse that tensor (no device work: the host time of the lookup
+    is what a later micro-batch pays). Checked: the reused tensor is the fake-quantized weight."""
+    import os
+    import time
+    import torch
+    from ...selftest import CheckResult
+    from ..flashrl import int4
+    from ..flashrl.fused import same_bits
+    from . import FAKE_WEIGHT_CACHE
+    from . import fake_weight_cache
+    from .fake_quant import straight_through
+    previous = os.environ.get(FAKE_WEIGHT_CACHE.name)
+    param = torch.nn.Parameter(w.clone())
+    try:
+        _set_cache_flag("step")
+        fake_weight_cache.reset()
+
+        def forward():
+            return straight_through(param, lambda t: int4.fake_quantize(t, spec), ("selftest", spec))
+        first = forward()
+        ok = same_bits(first.detach().cpu(), int4.fake_quantize(w.cpu(), spec))
+        reps = 200
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            forward()
+        hit_s = (time.perf_counter() - t0) / reps
+        ok = ok and fake_weight_cache.CACHE.stats.hits == reps and fake_weight_cache.CACHE.stats.misses == 1
+    finally:
+        fake_weight_cache.reset()
+        _set_cache_flag(previous)
+    per_step = (fake_quant_s + (MICRO_BATCHES - 1) * hit_s) / MICRO_BATCHES
+    amortized = per_step / matmul_s
+    return CheckResult(
+        "int4_qat", f"cost with the step cache (ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE=step), {MICRO_BATCHES} "
+                    f"micro-batches per optimizer step", ok, "" if ok else "the reused tensor is not the fake weight",
+        {"later micro-batch host us": hit_s * 1e6, "ratio per micro-batch, amortized": amortized},
+        f"<= {TARGET}x the matmul" if ctx.device.type != "cpu" else "",
+        amortized <= TARGET if ctx.device.type != "cpu" else None)
+
+
+def _set_cache_flag(value) -> None:
+    import os
+    from ... import flags
+    from . import FAKE_WEIGHT_CACHE
+    if value is None:
+        os.environ.pop(FAKE_WEIGHT_CACHE.name, None)
+    else:
+        os.environ[FAKE_WEIGHT_CACHE.name] = value
+    flags.reset_cache()

@@ -45,12 +45,17 @@ class _Proxy:
 
 
 class _StraightThrough(torch.autograd.Function):
-    """forward: ``transform(weight)``; backward: the incoming gradient, unchanged."""
+    """forward: ``transform(weight)`` (from the step cache when ``cache_key`` is given); backward:
+    the incoming gradient, unchanged."""
 
     @staticmethod
-    def forward(ctx, weight, transform, proxy):
+    def forward(ctx, weight, transform, proxy, cache_key):
         ctx.proxy = proxy
-        return transform(weight)
+        if cache_key is None:
+            return transform(weight)
+        from .fake_weight_cache import CACHE
+        fake = CACHE.fake_weight(weight, cache_key, transform)
+        return fake.view_as(fake)   # a fresh tensor object per forward: each gets its own grad_fn
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,16 +66,22 @@ class _StraightThrough(torch.autograd.Function):
         proxy = ctx.proxy
         if proxy.attrs.get("grad_added_to_main_grad") and hasattr(proxy.master, "grad_added_to_main_grad"):
             proxy.master.grad_added_to_main_grad = True
-        return grad, None, None
+        return grad, None, None, None
 
 
-def straight_through(weight, transform):
+def straight_through(weight, transform, cache_key=None):
     """``transform(weight)`` whose gradient flows to ``weight`` unchanged. The result shares its
     attribute dict with the backward and carries ``weight``'s ``main_grad`` (Megatron DDP's
     gradient buffer) and ``grad_added_to_main_grad`` when it has them, so a fused
-    weight-gradient kernel accumulates into the master's buffer and its mark reaches the master."""
+    weight-gradient kernel accumulates into the master's buffer and its mark reaches the master.
+
+    ``cache_key`` (what ``transform`` computes: the layout and the quantizer spec): with
+    ``ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE=step`` and gradients enabled, the transformed weight
+    is computed once per optimizer step (:mod:`.fake_weight_cache`); otherwise on every call."""
+    from . import fake_weight_cache_enabled
     proxy = _Proxy(weight)
-    out = _StraightThrough.apply(weight, transform, proxy)
+    use_cache = cache_key is not None and torch.is_grad_enabled() and fake_weight_cache_enabled()
+    out = _StraightThrough.apply(weight, transform, proxy, cache_key if use_cache else None)
     for name in ("main_grad", "grad_added_to_main_grad"):
         if hasattr(weight, name):
             proxy.attrs[name] = getattr(weight, name)
@@ -134,14 +145,16 @@ def linear_replacements(layer, spec) -> dict:
     if w is None:
         return {}
     where = f"{type(layer).__name__} (weight {tuple(w.shape)})"
-    return {"weight": straight_through(w, lambda t: linear_fake_quant(t, spec, where))}
+    return {"weight": straight_through(w, lambda t: linear_fake_quant(t, spec, where), ("linear", spec))}
 
 
 def grouped_replacements(experts, spec) -> dict:
     n, hidden = experts.num_local_experts, experts.config.hidden_size
     w1, w2 = experts._parameters["weight1"], experts._parameters["weight2"]
-    return {"weight1": straight_through(w1, lambda t: grouped_fc1_fake_quant(t, n, hidden, spec)),
-            "weight2": straight_through(w2, lambda t: grouped_fc2_fake_quant(t, n, hidden, spec))}
+    return {"weight1": straight_through(w1, lambda t: grouped_fc1_fake_quant(t, n, hidden, spec),
+                                        ("grouped fc1", n, hidden, spec)),
+            "weight2": straight_through(w2, lambda t: grouped_fc2_fake_quant(t, n, hidden, spec),
+                                        ("grouped fc2", n, hidden, spec))}
 
 
 # -- what the rollout receives: canonical [out, in] weights of the QAT model --------------------

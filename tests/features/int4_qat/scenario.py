@@ -253,3 +253,73 @@ def fused_wgrad(group: int) -> dict:
             mc_layers.__dict__.pop("fused_weight_gradient_mlp_cuda", None)
         else:
             mc_layers.fused_weight_gradient_mlp_cuda = saved
+
+
+def step_cache(group: int) -> dict:
+    """``ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE=step`` on EP2 GroupedMLP, scope all (dense linears
+    and grouped experts), trained the way Megatron's mixed-precision optimizers train: fp32 main
+    copies stepped by a torch optimizer, then copied into the bf16 weights through ``.data``
+    (which leaves the weights' version counters alone). Two optimizer steps of three
+    micro-batches each, with the cache off, on, and on with its optimizer hook removed (to show
+    that the hook is what keeps the second step exact)."""
+    import importlib
+
+    import torch
+    import ascend_rl_plugins
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.int4_qat import FEATURE
+    from ascend_rl_plugins.features.int4_qat import fake_weight_cache
+    from tests.support.megatron import canonical_weights, megatron_model
+
+    _set_flags("all", group)
+    for patch in FEATURE.patches:
+        if patch.dist == "megatron-core":
+            importlib.import_module(patch.module)
+    ascend_rl_plugins.activate()
+    _apply(True)
+
+    def train(h, weights, mode: str):
+        os.environ["ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE"] = "off" if mode == "off" else "step"
+        flags.reset_cache()
+        fake_weight_cache.reset()
+        h.load(weights)
+        params = [p for p in h.model.parameters()]
+        main = [p.detach().float().clone().requires_grad_(True) for p in params]
+        opt = torch.optim.SGD(main, lr=0.5)
+        if mode == "on, no optimizer hook":
+            fake_weight_cache.CACHE._ensure_hook()
+            fake_weight_cache.CACHE._hook.remove()
+        losses, per_step = [], []
+        for step in range(2):
+            for p in params:
+                p.grad = None
+            for micro in range(3):
+                tokens = h.tokens(batch=2, seed=10 * step + micro)
+                loss = h.loss(tokens)
+                loss.backward()
+                losses.append(loss.detach().clone())
+            h.finalize_grads()
+            stats = fake_weight_cache.CACHE.stats
+            per_step.append({"hits": stats.hits, "misses": stats.misses, "cached": fake_weight_cache.CACHE.cached_count()})
+            for m, p in zip(main, params):
+                m.grad = None if p.grad is None else p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(main, params):
+                    p.data.copy_(m.detach().to(p.dtype))
+            per_step[-1]["cached_after_step"] = fake_weight_cache.CACHE.cached_count()
+        return losses, [p.detach().clone() for p in params], per_step
+
+    with megatron_model(dtype="bfloat16", ep=2, moe="grouped") as h:
+        weights = canonical_weights(h.arch, seed=0)
+        ref_losses, ref_params, off_steps = train(h, weights, "off")
+        out = {"off": off_steps}
+        for mode in ("on", "on, no optimizer hook"):
+            losses, params, steps = train(h, weights, mode)
+            out[mode] = {"steps": steps,
+                         "losses_equal": [bool(torch.equal(a, b)) for a, b in zip(losses, ref_losses)],
+                         "params_equal": all(torch.equal(a, b) for a, b in zip(params, ref_params))}
+        fake_weight_cache.reset()
+        os.environ.pop("ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE", None)
+        flags.reset_cache()
+        return out
