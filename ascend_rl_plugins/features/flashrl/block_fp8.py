@@ -21,14 +21,19 @@ engine multiplies back is exactly the stored one.
 
 On CPU a numba kernel (``_int4_kernels.block_fp8_cpu``) does two passes per
 block with no full-size temporaries; on an accelerator a compiled one-kernel form
-(:mod:`.fused`, weights made of whole blocks) does; the blocked torch path is bit-identical
+(:mod:`.fused`, weights made of whole blocks; of three equivalent forms the one measured
+fastest on the device at first use) does; the blocked torch path is bit-identical
 to both (tested). The division by 448 divides by a device tensor (:mod:`.device_math`). A
 NaN/inf weight is refused (:class:`~.device_math.NonFiniteWeightError`, naming the tensor).
 """
 
 from __future__ import annotations
 
+import logging
+
 from . import device_math
+
+log = logging.getLogger(__name__)
 
 BLOCK = (128, 128)
 FP8_MAX = 448.0
@@ -74,32 +79,93 @@ def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None, name: 
         from . import _int4_kernels
         out_weight, out_scale_inv = _outputs(weight, n, k, nb, kb, out_weight, out_scale_inv)
         _int4_kernels.block_fp8_cpu(weight, bn, bk, out_weight, out_scale_inv)
-    elif n % bn == 0 and k % bk == 0 and _fused_usable(weight, bn, bk):
-        out_weight, out_scale_inv = _fused(weight, bn, bk, out_weight, out_scale_inv)
+    elif n % bn == 0 and k % bk == 0 and (variant := _variant(weight, bn, bk)):
+        out_weight, out_scale_inv = _fused(weight, bn, bk, out_weight, out_scale_inv, variant)
     else:
         return quantize_torch(weight, block, out_weight=out_weight, out_scale_inv=out_scale_inv, name=name)
     device_math.require_finite(out_scale_inv, "block FP8 quantization", name)
     return out_weight, out_scale_inv
 
 
-def _fused_usable(weight, bn: int, bk: int) -> bool:
+# The compiled block-FP8 forms, all the same math (bit-identical, each checked at first use):
+# which one an accelerator's compiler schedules best is measured there, not assumed -- on an
+# H200 the one-graph form ran at 14x the DeepGEMM formula compiled (flashrl/README.md).
+VARIANTS = ("one_graph", "direct", "split")
+TUNE_BYTES = 256 << 20     # the synthetic weight the variants are timed on at first use
+
+
+def _fused_usable(weight, bn: int, bk: int, variant: str = "one_graph") -> bool:
     from . import fused
 
     def check():
         probe = fused.probe_weight(weight.device, weight.dtype, rows=3 * bn, cols=8 * bk)
-        return all(map(fused.same_bits, _fused(probe, bn, bk, None, None), quantize_torch(probe, (bn, bk))))
-    return fused.usable(f"block_fp8 {bn}x{bk}", weight, check)
+        return all(map(fused.same_bits, _fused(probe, bn, bk, None, None, variant), quantize_torch(probe, (bn, bk))))
+    return fused.usable(f"block_fp8 {variant} {bn}x{bk}", weight, check)
 
 
-def _fused(weight, bn: int, bk: int, out_weight, out_scale_inv):
-    """:func:`.fused.block_fp8_formula` over the weight: one call when the result is returned,
-    else strips of whole block rows (about the device block size of output) copied into place."""
+def _variant(weight, bn: int, bk: int) -> str | None:
+    """The compiled form used for ``weight``'s (device type, dtype, width): the fastest verified
+    variant, timed once on a synthetic weight of ``TUNE_BYTES``; None when none is verified."""
+    from . import fused
+    key = ("block_fp8", weight.device.type, str(weight.dtype), weight.shape[1], bn, bk)
+    if key not in fused.STATE.choices:
+        usable = [v for v in VARIANTS if _fused_usable(weight, bn, bk, v)]
+        fused.STATE.choices[key] = choose_variant(usable, lambda v: _time_variant(weight, bn, bk, v))
+    return fused.STATE.choices[key]
+
+
+def choose_variant(usable, seconds) -> str | None:
+    """The variant of ``usable`` with the smallest ``seconds(variant)`` (the first on ties); the
+    choice and the times are logged once."""
+    if not usable:
+        return None
+    if len(usable) == 1:
+        return usable[0]
+    times = {v: seconds(v) for v in usable}
+    best = min(usable, key=lambda v: times[v])
+    log.info("flashrl: compiled block FP8 variant %s chosen (%s)", best,
+             ", ".join(f"{v} {t * 1e3:.3f} ms" for v, t in times.items()))
+    return best
+
+
+def _time_variant(weight, bn: int, bk: int, variant: str, reps: int = 3) -> float:
+    """Median seconds of ``variant`` on a random weight of ``TUNE_BYTES`` (whole blocks) on
+    ``weight``'s device, after one warm-up call (the compile)."""
+    import statistics
+    import time
+    import torch
+    k = weight.shape[1]
+    rows = max(bn, TUNE_BYTES // (k * weight.element_size()) // bn * bn)
+    w = torch.randn(rows, k, device=weight.device, dtype=torch.float32).mul_(0.02).to(weight.dtype)
+    sync = getattr(getattr(torch, weight.device.type, None), "synchronize", lambda: None)
+    _fused(w, bn, bk, None, None, variant)
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _fused(w, bn, bk, None, None, variant)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fused(weight, bn: int, bk: int, out_weight, out_scale_inv, variant: str = "one_graph"):
+    """The compiled ``variant`` over the weight: one call when the result is returned, else
+    strips of whole block rows (about the device block size of output) copied into place."""
     import torch
     from . import fused
     n, k = weight.shape
-    fn = fused.compiled("block_fp8", (str(weight.dtype), k), bn=bn, bk=bk)
     fp8_max = device_math.constant(FP8_MAX, weight, torch.float64)
     eps = device_math.constant(_F32_EPS, weight)
+    if variant == "split":
+        amax_fn = fused.compiled("block_amax", (str(weight.dtype), k), bn=bn, bk=bk)
+        scale_fn = fused.compiled("block_fp8_from_amax", (str(weight.dtype), k), rows_args=(0, 1), bn=bn, bk=bk)
+
+        def fn(w, fp8_max, eps):
+            return scale_fn(w, amax_fn(w), fp8_max, eps)
+    else:
+        fn = fused.compiled("block_fp8" if variant == "one_graph" else "block_fp8_direct", (str(weight.dtype), k),
+                            bn=bn, bk=bk)
     if out_weight is None and out_scale_inv is None and n:
         return fn(weight, fp8_max, eps)
     out_weight, out_scale_inv = _outputs(weight, n, k, n // bn, k // bk, out_weight, out_scale_inv)

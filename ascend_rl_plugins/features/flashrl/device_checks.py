@@ -34,6 +34,7 @@ class QuantPath:
     eager: Callable
     baseline: Callable | None
     out_bytes: Callable
+    variants: Callable | None = None   # w -> {compiled variant name: its function}, each timed too
 
 
 def paths() -> list[QuantPath]:
@@ -51,8 +52,15 @@ def paths() -> list[QuantPath]:
                   lambda w: int4.quantize_pack_torch(w, slime),
                   lambda w: baselines.slime_int4_quantize_pack(w, 128), lambda n, k: n * k // 2 + 2 * n * k // 128),
         QuantPath("block FP8 128x128", block_fp8.quantize, block_fp8.quantize_torch, baselines.slime_block_fp8,
-                  lambda n, k: n * k + 4 * (n // 128) * (k // 128)),
+                  lambda n, k: n * k + 4 * (n // 128) * (k // 128), _block_fp8_variants),
     ]
+
+
+def _block_fp8_variants(w) -> dict:
+    """Every compiled block-FP8 form verified on this device (the entry point uses the fastest)."""
+    from . import block_fp8
+    return {v: (lambda v=v: block_fp8._fused(w, 128, 128, None, None, v)) for v in block_fp8.VARIANTS
+            if block_fp8._fused_usable(w, 128, 128, v)}
 
 
 def _cpu(result):
@@ -172,6 +180,9 @@ def speed_checks(ctx, shape) -> list:
             target = f">= {FORMULA_TARGET}x the formula" + (f", <= {FUSED_TARGET}x the fused formula"
                                                               if fused_s is not None else "")
             target_met = base_s / ours_s >= FORMULA_TARGET and (fused_s is None or ours_s <= FUSED_TARGET * fused_s)
+        if p.variants is not None:
+            for variant, fn in p.variants(w).items():
+                metrics[f"compiled {variant} ms"] = ctx.seconds(fn, warmup=2) * 1e3
         eager_s = ctx.seconds(lambda: p.eager(w), reps=max(3, ctx.reps // 3))
         metrics["eager torch path ms"] = eager_s * 1e3
         metrics["x limit"] = ours_s / limit_s

@@ -49,15 +49,17 @@ class _State:
     verdicts: dict      # (kind, device type, dtype) -> True (use compiled) / False (eager)
     reasons: dict       # same keys -> why the compiled form is not used
     warned: set
+    choices: dict       # a quantizer's compiled variant per (kind, device type, dtype, width, ...)
 
     def reset(self) -> None:
         self.compiled.clear()
         self.verdicts.clear()
         self.reasons.clear()
         self.warned.clear()
+        self.choices.clear()
 
 
-STATE = _State({}, {}, {}, set())
+STATE = _State({}, {}, {}, set(), {})
 
 
 class FusedUnavailable(RuntimeError):
@@ -161,23 +163,53 @@ def int4_formula(w, divisor, eps, group: int, ct: bool, bf16_weight: bool, qmin:
     return words.to(torch.int32), stored
 
 
-def block_fp8_formula(w, fp8_max, eps, bn: int, bk: int):
-    """``(float8_e4m3fn, float32 scale_inv [n/bn, k/bk])`` of a weight made of whole blocks."""
+def _block_fp8_from_amax(w, amax, fp8_max, eps, bn: int, bk: int):
+    """The quantization of whole blocks given each block's float32 amax ``[n/bn, k/bk]``."""
     import torch
     n, k = w.shape
-    # the block amax in two steps: contiguous runs of bk along each row (coalesced, like the INT4
-    # groups), then the bn runs of a block column (1/bk of the data)
-    runs = w.reshape(n, k // bk, bk).abs().amax(dim=-1).to(torch.float32)
-    s = _quotient(runs.reshape(n // bn, bn, k // bk).amax(dim=1), fp8_max)
-    x = w.to(torch.float32).reshape(n // bn, bn, k // bk, bk)
+    s = _quotient(amax, fp8_max)
     s = torch.where(s == 0, eps, s)
+    x = w.to(torch.float32).reshape(n // bn, bn, k // bk, bk)
     q = _quotient(x, s.reshape(n // bn, 1, k // bk, 1)).clamp(-448.0, 448.0)
     q = torch.where(q == 0, torch.zeros_like(q), q)
     return q.reshape(n, k).to(torch.float8_e4m3fn), s
 
 
+def block_amax_formula(w, bn: int, bk: int):
+    """float32 amax of each ``bn x bk`` block, in two steps: contiguous runs of ``bk`` along each
+    row (coalesced, like the INT4 groups), then the ``bn`` runs of a block column (1/bk of the
+    data). amax is exact in any float dtype, so the order does not change a bit."""
+    import torch
+    n, k = w.shape
+    runs = w.reshape(n, k // bk, bk).abs().amax(dim=-1).to(torch.float32)
+    return runs.reshape(n // bn, bn, k // bk).amax(dim=1)
+
+
+def block_fp8_formula(w, fp8_max, eps, bn: int, bk: int):
+    """``(float8_e4m3fn, float32 scale_inv [n/bn, k/bk])`` of a weight made of whole blocks, the
+    two-step amax and the quantization in one graph (variant ``one_graph``)."""
+    return _block_fp8_from_amax(w, block_amax_formula(w, bn, bk), fp8_max, eps, bn, bk)
+
+
+def block_fp8_direct_formula(w, fp8_max, eps, bn: int, bk: int):
+    """The same, with the block amax as one reduction over both block dimensions of the 4-D view
+    (variant ``direct``: the form of the DeepGEMM / slime formula, which inductor fused well on
+    an H200 -- see ``flashrl/README.md``)."""
+    import torch
+    n, k = w.shape
+    amax = w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3)).to(torch.float32)
+    return _block_fp8_from_amax(w, amax, fp8_max, eps, bn, bk)
+
+
+def block_fp8_from_amax_formula(w, amax, fp8_max, eps, bn: int, bk: int):
+    """The second call of variant ``split`` (the first is :func:`block_amax_formula`): a
+    pointwise kernel with a broadcast scale, like the row quantizers'."""
+    return _block_fp8_from_amax(w, amax, fp8_max, eps, bn, bk)
+
+
 _FORMULAS = {"int8_rows": int8_rows_formula, "fp8_rows": fp8_rows_formula, "int4": int4_formula,
-             "block_fp8": block_fp8_formula}
+             "block_fp8": block_fp8_formula, "block_fp8_direct": block_fp8_direct_formula,
+             "block_amax": block_amax_formula, "block_fp8_from_amax": block_fp8_from_amax_formula}
 
 
 def compiled(kind: str, variant: tuple = (), rows_args: tuple = (0,), **static):

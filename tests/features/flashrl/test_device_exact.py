@@ -100,6 +100,10 @@ def test_compiled_formulas_are_the_torch_paths_math(dtype):
         int8 = fused.int8_rows_formula(w, None, None, d(quant.QMAX), d(quant.MIN_SCALE * quant.QMAX, torch.float32))
         fp8 = fused.fp8_rows_formula(w, None, None, d(quant.FP8_MAX), d(torch.finfo(torch.float32).eps, torch.float32))
         bfp8 = fused.block_fp8_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)
+        bfp8_direct = fused.block_fp8_direct_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)
+        bfp8_split = fused.block_fp8_from_amax_formula(w, fused.block_amax_formula(w, 128, 128), d(448.0),
+                                                       d(2.0 ** -23, torch.float32), 128, 128)
+    assert all(map(same, bfp8_direct, block_fp8.quantize(w))) and all(map(same, bfp8_split, block_fp8.quantize(w)))
     assert all(map(same, int8, quant.quantize_int8_rows(w)))
     assert all(map(same, fp8, quant.quantize_fp8_rows_torch(w)))
     assert all(map(same, bfp8, block_fp8.quantize(w)))
@@ -205,3 +209,31 @@ def test_device_block_size_follows_free_memory(monkeypatch):
     assert device_math.block_bytes_for(torch.device("cuda")) == device_math.DEVICE_BLOCK_BYTES
     monkeypatch.setattr(device_math, "free_device_bytes", lambda device: 1 << 30)
     assert device_math.block_bytes_for(torch.device("cuda")) == 128 << 20
+
+
+def test_every_compiled_block_fp8_variant_compiles_to_the_torch_paths_bits():
+    """The three compiled block-FP8 forms, really compiled (inductor's CPU backend here; on an
+    accelerator each is also checked at first use), whole and in strips written in place."""
+    fused.STATE.reset()
+    w = fused.probe_weight(torch.device("cpu"), torch.bfloat16, rows=384, cols=1024)
+    ref = block_fp8.quantize_torch(w)
+    for variant in block_fp8.VARIANTS:
+        assert all(map(same, block_fp8._fused(w, 128, 128, None, None, variant), ref)), variant
+        out = (torch.empty_like(ref[0]), torch.empty_like(ref[1]))
+        assert all(map(same, block_fp8._fused(w, 128, 128, *out, variant), ref)), variant
+    fused.STATE.reset()
+
+
+def test_the_fastest_verified_block_fp8_variant_is_chosen_once(monkeypatch):
+    assert block_fp8.choose_variant([], lambda v: 1.0) is None
+    assert block_fp8.choose_variant(["split"], lambda v: 1 / 0) == "split"      # nothing to time
+    times = {"one_graph": 3.0, "direct": 1.0, "split": 2.0}
+    timed = []
+    monkeypatch.setattr(block_fp8, "_fused_usable", lambda w, bn, bk, v="one_graph": v != "direct")
+    monkeypatch.setattr(block_fp8, "_time_variant", lambda w, bn, bk, v: timed.append(v) or times[v])
+    fused.STATE.reset()
+    w = torch.zeros(256, 256, dtype=torch.bfloat16)
+    assert block_fp8._variant(w, 128, 128) == "split"          # "direct" is faster but not verified
+    assert block_fp8._variant(w, 128, 128) == "split" and timed == ["one_graph", "split"]   # timed once
+    fused.STATE.reset()
+    assert not fused.STATE.choices
