@@ -38,6 +38,11 @@ def run(ctx) -> list:
     if int4._fused_usable(w, spec):  # where the time goes: the compiled kernel alone, no finiteness sync
         fn, args = int4._compiled_formula(w, spec, "fake")
         metrics["compiled kernel alone ms"] = ctx.seconds(lambda: fn(w, *args)) * 1e3
+        # the same call on 8 rows, timed on the host: what one call costs when the device has
+        # nearly nothing to do (guards, launch) -- tells a host-bound cost from a slow kernel
+        tiny = w[:8].contiguous()
+        fn(tiny, *args)
+        metrics["compiled call on 8 rows, host ms"] = _host_seconds(ctx, lambda: fn(tiny, *args)) * 1e3
     results.append(CheckResult(
         "int4_qat", f"cost: fake-quant ({rows}, {cols}) vs its forward matmul ({tokens} tokens)", True, "",
         metrics,
@@ -45,6 +50,17 @@ def run(ctx) -> list:
         ratio <= TARGET if ctx.device.type != "cpu" else None))
     results.append(_step_cache(ctx, w, spec, fq, mm))
     return results
+
+
+def _host_seconds(ctx, fn, reps: int = 50) -> float:
+    """Mean wall time of ``fn()`` over ``reps`` calls, the device synchronized once at the end."""
+    import time
+    ctx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    ctx.synchronize()
+    return (time.perf_counter() - t0) / reps
 
 
 def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
