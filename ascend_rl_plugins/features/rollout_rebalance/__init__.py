@@ -59,7 +59,11 @@ FEATURE = Feature("rollout_rebalance",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
                                   "injected protocol faults; planner property tests; protocol "
-                                  "and its failure paths on 2-4 gloo processes",
+                                  "and its failure paths on 2-4 gloo processes; verl 0.9 router "
+                                  "loaded by verl 0.9.1's router_config_path loader and driven "
+                                  "by its LLMServerClient (Ray local)",
+                      doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
+                              "generate) and a vLLM /metrics exposition double",
                       static="verl 0.9.1 async-server notice hook resolved in its source"),
                   stacks="recipe, current")
 
@@ -139,6 +143,11 @@ ROUTER_KV_BUDGET = flags.define(
     "requests stay within this multiple of its KV cache (read from vLLM's /metrics; an idle "
     "replica always takes one). Router YAML key: kv_budget.", minimum=0.05, maximum=16,
     feature="rollout_rebalance")
+ROUTER_KV_RESERVE = flags.define(
+    "ASCEND_RL_ROUTER_KV_RESERVE", "int", 2048,
+    "verl 0.9 router: and only while the KV in use on the replica (vLLM's /metrics, plus prompts "
+    "sent since) leaves every request there this many tokens to grow; 0: no such check. Router "
+    "YAML key: kv_reserve.", minimum=0, feature="rollout_rebalance")
 ROUTER_SLOTS = flags.define(
     "ASCEND_RL_ROUTER_SLOTS", "int", 0,
     "verl 0.9 router: requests in flight per replica; 0 takes the servers' max_num_seqs. Router "
@@ -153,7 +162,8 @@ ROUTER_METRICS_INTERVAL = flags.define(
     "ASCEND_RL_ROUTER_METRICS_INTERVAL", "float", 1.0,
     "verl 0.9 router: seconds between two reads of every server's /metrics. Router YAML key: "
     "metrics_interval_s.", minimum=0.05, maximum=60, feature="rollout_rebalance")
-ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_SLOTS, ROUTER_LOAD,
+ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_KV_RESERVE, ROUTER_SLOTS,
+                ROUTER_LOAD,
                 ROUTER_METRICS_INTERVAL)
 
 ROUTER_YAML = "router.yaml"  # package data next to this module

@@ -50,6 +50,7 @@ SETTING_FLAGS = {
     "siblings": "ASCEND_RL_ROUTER_SIBLINGS",
     "order": "ASCEND_RL_ROUTER_ORDER",
     "kv_budget": "ASCEND_RL_ROUTER_KV_BUDGET",
+    "kv_reserve": "ASCEND_RL_ROUTER_KV_RESERVE",
     "slots": "ASCEND_RL_ROUTER_SLOTS",
     "load": "ASCEND_RL_ROUTER_LOAD",
     "metrics_interval_s": "ASCEND_RL_ROUTER_METRICS_INTERVAL",
@@ -87,7 +88,8 @@ def settings_from(config: dict | None, *, deterministic: bool = False) -> ShellS
             values[key] = flag.value
     return ShellSettings(
         routing.RouterSettings(siblings=values["siblings"], order=values["order"],
-                               kv_budget=float(values["kv_budget"]), slots=int(values["slots"]),
+                               kv_budget=float(values["kv_budget"]),
+                               kv_reserve=int(values["kv_reserve"]), slots=int(values["slots"]),
                                deterministic=deterministic),
         values["load"], float(values["metrics_interval_s"]))
 

@@ -57,7 +57,8 @@ class RouterSettings:
 
     siblings: str = "spread"  # 'spread': placement by load only; 'pack': prefer a sibling's replica
     order: str = "longest_first"  # shared-queue order: 'longest_first' or 'arrival'
-    kv_budget: float = 1.0  # expected final tokens in flight per replica, x its KV tokens
+    kv_budget: float = 1.5  # expected final tokens in flight per replica, x its KV tokens
+    kv_reserve: int = 2048  # and only while its KV in use leaves each request this many tokens to grow
     slots: int = 0  # requests in flight per replica; 0: the server's max_num_seqs
     prior_response_tokens: int = 0  # expected response tokens before any report; 0: half the max
     deterministic: bool = False  # verl's rollout.full_determinism
@@ -71,7 +72,7 @@ class RouterSettings:
             raise ValueError(f"order={self.order!r}: accepted {', '.join(map(repr, ORDER))}")
         if not (isinstance(self.kv_budget, (int, float)) and 0.05 <= self.kv_budget <= 16):
             raise ValueError(f"kv_budget={self.kv_budget!r}: accepted a number in [0.05, 16]")
-        for name in ("slots", "prior_response_tokens"):
+        for name in ("slots", "prior_response_tokens", "kv_reserve"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
                 raise ValueError(f"{name}={value!r}: accepted an integer >= 0")
@@ -88,6 +89,7 @@ class ReplicaState:
     inflight: dict = field(default_factory=dict)  # request_id -> expected final tokens
     groups: Counter = field(default_factory=Counter)  # group key -> siblings in flight
     expected_tokens: float = 0.0  # sum of ``inflight``
+    fresh_prompt_tokens: int = 0  # prompts bound here since its last KV report
 
     def projected_tokens(self) -> float:
         """Tokens it will hold: what its requests are expected to grow to, or what it reports
@@ -192,6 +194,7 @@ class RoutingPolicy:
             replica.kv_capacity_tokens = int(kv_capacity_tokens)
         if kv_used_tokens is not None:
             replica.kv_used_tokens = int(kv_used_tokens)
+            replica.fresh_prompt_tokens = 0
 
     # -- requests ------------------------------------------------------------------------
     def expected_tokens(self, prompt_tokens: int, group: str) -> float:
@@ -296,6 +299,10 @@ class RoutingPolicy:
             return False
         if replica.kv_capacity_tokens <= 0:
             return True
+        if self.settings.kv_reserve and (replica.kv_used_tokens + replica.fresh_prompt_tokens
+                                         + (len(replica.inflight) + 1) * self.settings.kv_reserve
+                                         > replica.kv_capacity_tokens):
+            return False
         return replica.projected_tokens() + expected <= self.settings.kv_budget * replica.kv_capacity_tokens
 
     def _choose(self, expected: float, group: str) -> str | None:
@@ -323,6 +330,7 @@ class RoutingPolicy:
             replica.groups[group] += 1
         replica.inflight[request_id] = expected
         replica.expected_tokens += expected
+        replica.fresh_prompt_tokens += int(prompt_tokens)
         self._started[request_id] = (now, group)
         self.sticky[request_id] = server_id
         self.sticky.move_to_end(request_id)

@@ -28,7 +28,7 @@ def _ids(dispatches):
 def test_late_binding_holds_requests_until_a_replica_has_room():
     """KV known: a replica takes requests while their expected final tokens fit the budget;
     the rest wait in the shared queue and go out as releases free room."""
-    policy = _policy(n=2, slots=8, capacity=1200, kv_budget=1.0)  # expected 100 + 500 each
+    policy = _policy(n=2, slots=8, capacity=1200, kv_budget=1.0, kv_reserve=0)  # expected 100 + 500 each
     bound = []
     for i in range(6):
         bound += policy.submit(f"r{i}", 100, f"g{i}", now=0.0)
@@ -219,3 +219,15 @@ def test_router_settings_reject_bad_values_directly():
         routing.RouterSettings(siblings="x")
     with pytest.raises(ValueError, match="slots=-1"):
         routing.RouterSettings(slots=-1)
+
+
+def test_kv_reserve_keeps_room_for_the_running_requests_to_grow():
+    """With the KV in use reported, a replica takes another request only while every request
+    on it keeps ``kv_reserve`` tokens to grow (prompts sent since the report count too)."""
+    policy = _policy(n=1, slots=16, capacity=10_000, kv_budget=16, kv_reserve=1000)
+    policy.report("s0", kv_used_tokens=5_000)
+    bound = [d for i in range(6) for d in policy.submit(f"r{i}", 100, f"g{i}", now=0.0)]
+    # 5000 used + 100 per prompt sent + 1000 per request must stay within 10000
+    assert len(bound) == 4 and policy.queued == 2
+    policy.report("s0", kv_used_tokens=2_000)  # requests finished elsewhere freed KV
+    assert len(policy.dispatch(now=1.0)) == 2
