@@ -246,7 +246,7 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
         out.print(f"{head}: {n.feature}: {n.why}", markup=True, highlight=False)
     for e in extensions:
         out.print(f"[green]feature applies[/green] (an upstream extension point, enable it in your config): "
-                  f"{e.feature}: {e.how}", markup=True, highlight=False, soft_wrap=True)
+                  f"{e.feature}: {e.how}", markup=True, highlight=False, overflow="fold")
     bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes)
     will = sum(r.verdict == "will apply" for r in rows)
     out.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")

@@ -54,7 +54,7 @@ LOG = flags.define(
     feature="rollout_rebalance")
 
 FEATURE = Feature("rollout_rebalance",
-                  "move unfinished requests (with KV) between DP ranks in the rollout long tail",
+                  "rollout long tail: verl 0.9 router via router_config_path; KV migration between DP ranks (verl 0.6)",
                   flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
