@@ -11,7 +11,8 @@ replica the moment it arrives):
 * **Late binding.** A request is bound to a replica only when some replica has room for it:
   a free slot and, where the replica's KV cache is known, room for the request's *expected
   final* size (prompt + expected response) next to the expected final sizes of what it already
-  runs (``kv_budget`` times its KV tokens). Until then it waits here, in one queue shared by
+  runs (``kv_budget`` times its KV tokens), with the KV in use leaving every request there
+  ``kv_reserve`` tokens to grow. Until then it waits here, in one queue shared by
   every replica: a replica that drains early pulls the next request instead of idling while
   another replica's own queue holds work (verl #658's shared queue), and no replica admits
   more than its cache holds, so fewer requests are preempted and re-prefilled.
@@ -23,7 +24,7 @@ replica the moment it arrives):
 * **Expected-work placement.** Among replicas with room, the one whose expected final tokens
   are the smallest share of its KV capacity (request counts when the capacity is unknown).
   ``siblings='pack'`` instead prefers a replica already running a sibling (its prefix cache
-  holds the shared prompt); the simulator measures both and ``spread`` is the default there.
+  holds the shared prompt); the simulator measures both and ``spread`` is the default.
 
 What it observes, and from where (the router reads nothing it cannot get from verl or vLLM):
 a finished request's *duration* (acquire to release: verl's release RPC carries no token
