@@ -63,6 +63,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         title = f"ascend-rl doctor: stack {path}"
     rows, conflicts = doctor.diagnose(roots, python, args.do_import)
     notes = doctor.feature_notes(roots)
+    extensions = doctor.extension_notes(roots)
     if args.removal:
         ledger = doctor.removal_ledger(rows)
         if args.json:
@@ -74,13 +75,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from . import plugin
         print(json.dumps({"title": title, "patches": [r.as_dict() for r in rows],
                           "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes],
+                          "features_through_extension_points": [e.as_dict() for e in extensions],
                           # the CLI inspects, never applies: both stay empty (tests hold it to that)
                           "activated_in_this_process": plugin.activated_by(),
                           "applied_in_this_process": [s["patch"] for s in plugin.status()
                                                       if s["state"] in ("applied", "pending")]},
                          indent=2))
     else:
-        doctor.render(rows, conflicts, title, notes=notes, wide=args.wide)
+        doctor.render(rows, conflicts, title, notes=notes, wide=args.wide, extensions=extensions)
     return 1 if any(r.problem for r in rows) or conflicts or any(n.problem for n in notes) else 0
 
 

@@ -146,6 +146,21 @@ def feature_notes(roots: Sequence[str] | None = None) -> list[FeatureNote]:
     return notes
 
 
+@dataclass
+class ExtensionNote:
+    """A feature that works on this stack through an upstream extension point (no patch)."""
+    feature: str
+    how: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def extension_notes(roots: Sequence[str] | None = None) -> list[ExtensionNote]:
+    return [ExtensionNote(name, how) for name in sorted(REGISTRY.features)
+            for how in REGISTRY.features[name].enabled_through(roots)]
+
+
 def _switch_of(p: Patch) -> tuple[str, int]:
     """Patches behind one switch (one feature, one gate) are siblings: versions of one job."""
     return p.feature.name, id(p.gate)
@@ -190,7 +205,8 @@ def is_narrow(out, wide: bool) -> bool:
 
 
 def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
-           notes: Sequence[FeatureNote] = (), wide: bool = False) -> None:
+           notes: Sequence[FeatureNote] = (), wide: bool = False,
+           extensions: Sequence[ExtensionNote] = ()) -> None:
     from rich.table import Table
 
     out = console(stream, wide)
@@ -228,6 +244,9 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
         head = ("[red]FEATURE DOES NOT APPLY[/red] (it is switched on)" if n.problem
                 else "feature does not apply here")
         out.print(f"{head}: {n.feature}: {n.why}", markup=True, highlight=False)
+    for e in extensions:
+        out.print(f"[green]feature applies[/green] (an upstream extension point, enable it in your config): "
+                  f"{e.feature}: {e.how}", markup=True, highlight=False, overflow="fold")
     bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes)
     will = sum(r.verdict == "will apply" for r in rows)
     out.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")

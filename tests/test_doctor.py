@@ -103,34 +103,74 @@ def test_doctor_treats_created_attributes_as_resolvable(tmp_path):
     assert not evaluate(r).resolves
 
 
-def test_doctor_says_when_a_feature_does_not_apply_to_the_stack(tmp_path):
-    # verl 0.9 installed: rollout rebalance's hooks resolve in vLLM but verl never calls them.
+def _verl_only_stack(tmp_path, version: str):
+    """A stack tree holding only verl's distribution metadata at ``version``."""
     root = tmp_path / "stack"
-    (root / "verl").mkdir(parents=True)
+    (root / "verl").mkdir(parents=True, exist_ok=True)
     (root / "verl" / "__init__.py").write_text("")
-    (root / "verl-0.9.1.dist-info").mkdir()
-    (root / "verl-0.9.1.dist-info" / "METADATA").write_text("Name: verl\nVersion: 0.9.1\n")
-    (root / "verl-0.9.1.dist-info" / "top_level.txt").write_text("verl\n")
-    # this tree holds no verl modules: keep every other feature's (default-on) patches out
+    info = root / "verl-dist.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Name: verl\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("verl\n")
+    return root
+
+
+def _quiet_except(feature: str) -> dict:
+    """This tree holds no verl modules: keep every other feature's (default-on) patches out."""
     from ascend_rl_plugins import plugin
     from ascend_rl_plugins.patching.core import REGISTRY
     plugin.load_features()
-    others = [n for n in REGISTRY.features if n != "rollout_rebalance"]
-    quiet = {"ASCEND_RL_DISABLE": ",".join(others + ["rollout_rebalance.verl_async_server_notice"])}
+    others = [n for n in REGISTRY.features if n != feature]
+    own = [p for p in REGISTRY.patches if p.startswith(feature + ".")]
+    return {"ASCEND_RL_DISABLE": ",".join(others + own)}
+
+
+def test_doctor_says_when_a_feature_does_not_apply_to_the_stack(tmp_path):
+    # verl 0.9 installed: data rebalance has no batch split over DP ranks to act on.
+    root = _verl_only_stack(tmp_path, "0.9.1")
+    quiet = _quiet_except("data_rebalance")
     proc = _cli("doctor", "--stack", str(root), "--json", env=quiet)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     notes = {n["feature"]: n for n in json.loads(proc.stdout)["features_not_applicable"]}
-    assert notes["rollout_rebalance"]["problem"] is False
-    assert notes["rollout_rebalance"]["why"].startswith("verl 0.9.1: verl 0.9 rolls out through its async server")
-    # switched on, it is a problem: the user expects rebalanced rollouts and would get none
-    proc = _cli("doctor", "--stack", str(root), env=dict(quiet, ASCEND_RL_ROLLOUT_REBALANCE="1"))
+    assert notes["data_rebalance"]["problem"] is False
+    assert notes["data_rebalance"]["why"].startswith("verl 0.9.1: the rollout runs as servers")
+    # switched on, it is a problem: the user expects rebalanced batches and would get none
+    proc = _cli("doctor", "--stack", str(root), env=dict(quiet, ASCEND_RL_DATA_REBALANCE="1"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FEATURE DOES NOT APPLY" in proc.stdout and "rollout_rebalance" in proc.stdout
+    assert "FEATURE DOES NOT APPLY" in proc.stdout and "data_rebalance" in proc.stdout
     # verl 0.6 (the recipe's) is fine
-    for f in ("METADATA",):
-        (root / "verl-0.9.1.dist-info" / f).write_text("Name: verl\nVersion: 0.6.1\n")
-    proc = _cli("doctor", "--stack", str(root), "--json", env=dict(quiet, ASCEND_RL_ROLLOUT_REBALANCE="1"))
-    assert "rollout_rebalance" not in {n["feature"] for n in json.loads(proc.stdout)["features_not_applicable"]}
+    root = _verl_only_stack(tmp_path, "0.6.1")
+    proc = _cli("doctor", "--stack", str(root), "--json", env=dict(quiet, ASCEND_RL_DATA_REBALANCE="1"))
+    assert "data_rebalance" not in {n["feature"] for n in json.loads(proc.stdout)["features_not_applicable"]}
+
+
+def test_doctor_says_how_to_enable_the_verl_09_router(tmp_path):
+    """verl 0.9: rollout rebalance applies through verl's router plug-in point; doctor prints the
+    router_config_path line (the shipped YAML's installed path), switched on or not, and it is
+    no problem; on verl 0.6 that note is absent (the in-process hooks apply there)."""
+    from ascend_rl_plugins.features import rollout_rebalance as rr
+    root = _verl_only_stack(tmp_path, "0.9.1")
+    quiet = _quiet_except("rollout_rebalance")
+    for env in (quiet, dict(quiet, ASCEND_RL_ROLLOUT_REBALANCE="1")):
+        proc = _cli("doctor", "--stack", str(root), "--json", env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        data = json.loads(proc.stdout)
+        assert "rollout_rebalance" not in {n["feature"] for n in data["features_not_applicable"]}
+        how = {e["feature"]: e["how"] for e in data["features_through_extension_points"]}
+        assert f"actor_rollout_ref.rollout.router_config_path={rr.router_yaml_path()}" in how["rollout_rebalance"]
+    proc = _cli("doctor", "--stack", str(root), env=quiet)
+    assert "feature applies" in proc.stdout and "router_config_path" in proc.stdout
+    root = _verl_only_stack(tmp_path, "0.6.1")
+    proc = _cli("doctor", "--stack", str(root), "--json", env=quiet)
+    assert json.loads(proc.stdout)["features_through_extension_points"] == []
+
+
+def test_router_command_prints_the_config_line():
+    from ascend_rl_plugins.features import rollout_rebalance as rr
+    proc = _cli("router")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == rr.router_config_line()
+    assert os.path.isfile(_cli("router", "--path").stdout.strip())
 
 
 def test_does_not_apply_is_checked_at_declaration():

@@ -156,13 +156,41 @@ class NotApplicable:
 
     def check(self, roots=None) -> str | None:
         """The reason, prefixed with the installed version, when it holds; else None."""
-        from . import versions as _versions
-        name = self.import_name or self.dist.replace("-", "_")
-        found = (_versions.installed_version(self.dist, name) if roots is None
-                 else _versions.tree_version(self.dist, roots, name))
-        if found is None or not _versions.in_range(found[1], _versions.parse_specifier(self.versions_text)):
+        found = _installed_in_range(self.dist, self.versions_text, self.import_name, roots)
+        return None if found is None else f"{found}: {self.why}"
+
+
+def _installed_in_range(dist: str, versions_text: str, import_name: str | None, roots) -> str | None:
+    """``"<dist> <version>"`` when ``dist`` is installed (at ``roots``) within the range."""
+    from . import versions as _versions
+    name = import_name or dist.replace("-", "_")
+    found = (_versions.installed_version(dist, name) if roots is None
+             else _versions.tree_version(dist, roots, name))
+    if found is None or not _versions.in_range(found[1], _versions.parse_specifier(versions_text)):
+        return None
+    return f"{found[0]} {found[1]}"
+
+
+@dataclass(eq=False)
+class ExtensionPoint:
+    """A stack on which a feature works through the upstream project's own extension point
+    (a config key naming a plug-in class, a registry) rather than a patch: nothing resolves
+    or applies, the user opts in through that config. ``how`` says how (text, or a callable
+    giving it, e.g. a file path known only once installed)."""
+
+    dist: str
+    versions_text: str
+    point: str
+    how: Any
+    import_name: str | None = None
+
+    def check(self, roots=None) -> str | None:
+        """How to enable it, prefixed with the installed version, when the stack matches."""
+        found = _installed_in_range(self.dist, self.versions_text, self.import_name, roots)
+        if found is None:
             return None
-        return f"{found[0]} {found[1]}: {self.why}"
+        how = self.how() if callable(self.how) else self.how
+        return f"{found}: through {self.point}: {how}"
 
 
 @dataclass(frozen=True)
@@ -203,6 +231,7 @@ class Feature:
         self.stacks = stacks
         self.patches: list[Patch] = []
         self.not_applicable: list[NotApplicable] = []
+        self.extension_points: list[ExtensionPoint] = []
         REGISTRY.add_feature(self)
 
     def does_not_apply(self, *, dist: str, versions: str, why: str, import_name: str | None = None) -> None:
@@ -213,6 +242,20 @@ class Feature:
         if not why:
             raise PatchError(f"feature {self.name}: does_not_apply needs a reason")
         self.not_applicable.append(NotApplicable(dist, versions, why, import_name))
+
+    def applies_through(self, *, dist: str, versions: str, point: str, how: Any,
+                        import_name: str | None = None) -> None:
+        """Declare a stack where this feature works through an upstream extension point the
+        user configures (``doctor`` says how to enable it there)."""
+        from . import versions as _versions
+        _versions.parse_specifier(versions)
+        if not (point and how):
+            raise PatchError(f"feature {self.name}: applies_through needs the point and how to use it")
+        self.extension_points.append(ExtensionPoint(dist, versions, point, how, import_name))
+
+    def enabled_through(self, roots=None) -> list[str]:
+        """How to enable this feature through an extension point of the stack at ``roots``."""
+        return [r for r in (e.check(roots) for e in self.extension_points) if r]
 
     def inapplicable(self, roots=None) -> list[str]:
         """Reasons why this feature does not apply to the stack at ``roots`` (None: installed)."""

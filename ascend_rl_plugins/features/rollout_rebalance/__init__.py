@@ -54,12 +54,16 @@ LOG = flags.define(
     feature="rollout_rebalance")
 
 FEATURE = Feature("rollout_rebalance",
-                  "move unfinished requests (with KV) between DP ranks in the rollout long tail",
+                  "rollout long tail: verl 0.9 router via router_config_path; KV migration between DP ranks (verl 0.6)",
                   flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
                                   "injected protocol faults; planner property tests; protocol "
-                                  "and its failure paths on 2-4 gloo processes",
+                                  "and its failure paths on 2-4 gloo processes; verl 0.9 router "
+                                  "loaded by verl 0.9.1's router_config_path loader and driven "
+                                  "by its LLMServerClient (Ray local)",
+                      doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
+                              "generate) and a vLLM /metrics exposition double",
                       static="verl 0.9.1 async-server notice hook resolved in its source"),
                   stacks="recipe, current")
 
@@ -121,25 +125,92 @@ FEATURE.wrap("vllm.entrypoints.offline_utils:OfflineInferenceMixin._run_engine",
              fixed_upstream="lives in vllm.entrypoints.llm:LLM before vLLM 0.23")
 
 
-# -- verl 0.9: the async-server rollout, where nothing can be rebalanced (yet) --------------
+# -- verl 0.9: the async-server rollout, through verl's own router plug-in point ----------
+
+ROUTER_SIBLINGS = flags.define(
+    "ASCEND_RL_ROUTER_SIBLINGS", "enum", "spread",
+    "verl 0.9 router: where GRPO siblings (same prompt tokens) go: 'spread' (by load alone) or "
+    "'pack' (prefer a replica running a sibling: prefix-cache hits, less balance). Router YAML "
+    "key: siblings.", choices=("spread", "pack"), feature="rollout_rebalance")
+ROUTER_ORDER = flags.define(
+    "ASCEND_RL_ROUTER_ORDER", "enum", "longest_first",
+    "verl 0.9 router: order of the shared queue: 'longest_first' (expected size, from finished "
+    "siblings, past steps of the prompt, the servers' mean length) or 'arrival'. Router YAML "
+    "key: order.", choices=("longest_first", "arrival"), feature="rollout_rebalance")
+ROUTER_KV_BUDGET = flags.define(
+    "ASCEND_RL_ROUTER_KV_BUDGET", "float", 1.5,
+    "verl 0.9 router: a replica takes another request while the expected final tokens of its "
+    "requests stay within this multiple of its KV cache (read from vLLM's /metrics; an idle "
+    "replica always takes one). Router YAML key: kv_budget.", minimum=0.05, maximum=16,
+    feature="rollout_rebalance")
+ROUTER_KV_RESERVE = flags.define(
+    "ASCEND_RL_ROUTER_KV_RESERVE", "int", 2048,
+    "verl 0.9 router: and only while the KV in use on the replica (vLLM's /metrics, plus prompts "
+    "sent since) leaves every request there this many tokens to grow; 0: no such check. Router "
+    "YAML key: kv_reserve.", minimum=0, feature="rollout_rebalance")
+ROUTER_SLOTS = flags.define(
+    "ASCEND_RL_ROUTER_SLOTS", "int", 0,
+    "verl 0.9 router: requests in flight per replica; 0 takes the servers' max_num_seqs. Router "
+    "YAML key: slots.", minimum=0, feature="rollout_rebalance")
+ROUTER_LOAD = flags.define(
+    "ASCEND_RL_ROUTER_LOAD", "enum", "auto",
+    "verl 0.9 router: where replica load comes from: 'metrics' (vLLM's /metrics: KV cache size "
+    "and use, mean generated length; needs rollout.disable_log_stats=False), 'requests' (its own "
+    "request counts and slots only), 'auto' (metrics when the servers publish them). Router "
+    "YAML key: load.", choices=("auto", "metrics", "requests"), feature="rollout_rebalance")
+ROUTER_METRICS_INTERVAL = flags.define(
+    "ASCEND_RL_ROUTER_METRICS_INTERVAL", "float", 1.0,
+    "verl 0.9 router: seconds between two reads of every server's /metrics. Router YAML key: "
+    "metrics_interval_s.", minimum=0.05, maximum=60, feature="rollout_rebalance")
+ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_KV_RESERVE, ROUTER_SLOTS,
+                ROUTER_LOAD,
+                ROUTER_METRICS_INTERVAL)
+
+ROUTER_YAML = "router.yaml"  # package data next to this module
+
+
+def router_yaml_path() -> str:
+    """The shipped router YAML, where this installation has it."""
+    import os
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), ROUTER_YAML)
+
+
+def router_config_line() -> str:
+    """The verl 0.9 config override that turns the router on (plus KV-aware load)."""
+    return (f"actor_rollout_ref.rollout.router_config_path={router_yaml_path()} "
+            f"actor_rollout_ref.rollout.disable_log_stats=False")
+
+
+FEATURE.applies_through(
+    dist="verl", versions=">=0.9,<0.10", point="verl's router plug-in (rollout.router_config_path)",
+    how=lambda: (f"add `{router_config_line()}` (or print it: `ascend-rl router`); the router "
+                 f"routes by expected work and KV room with a shared longest-first queue "
+                 f"(README, section verl 0.9). The in-process rebalance hooks never run there."))
+
+def register_cli(subparsers) -> None:
+    """``ascend-rl router``: the verl 0.9 config line that loads the router."""
+    p = subparsers.add_parser("router", help="print the verl 0.9 config overrides that load the "
+                                             "rollout router (rollout_rebalance)")
+    p.add_argument("--path", action="store_true", help="print only the router YAML's path")
+
+    def run(args) -> int:
+        import os
+        path = router_yaml_path()
+        if not os.path.isfile(path):
+            print(f"ascend-rl router: {path} is missing from this installation", flush=True)
+            return 1
+        print(path if args.path else router_config_line())
+        return 0
+    p.set_defaults(func=run)
+
 
 ASYNC_SERVER_NOTICE = (
     "ascend-rl rollout_rebalance: ASCEND_RL_ROLLOUT_REBALANCE is on, but verl 0.9 rolls out "
     "through an async server (vLLMHttpServer -> AsyncLLM, engine cores in their own "
     "processes, DP through vLLM's coordinator): LLM._run_engine and LLMEngine.step never run "
-    "there, so no request is rebalanced. Rebalancing applies to in-process rollouts: verl "
-    "0.6.x with rollout.mode=sync (vLLMRollout), or vLLM's offline LLM with one engine per "
-    "DP rank. Where it would belong for the server path: ascend_rl_plugins/features/"
-    "rollout_rebalance/README.md, section How to enable.")
-
-
-FEATURE.does_not_apply(
-    dist="verl", versions=">=0.9,<0.10",
-    why="verl 0.9 rolls out through its async server (AsyncLLM, engine cores in their own "
-        "processes, DP through vLLM's coordinator), where LLM._run_engine and LLMEngine.step "
-        "never run: verl rollouts are not rebalanced (vLLM's in-process LLM, e.g. in a custom "
-        "trainer, still is). Where it would belong: ascend_rl_plugins/features/rollout_rebalance/"
-        "README.md, section How to enable.")
+    "there, so nothing is rebalanced in-process. On verl 0.9 the long tail is this project's "
+    "router, loaded by verl itself: add actor_rollout_ref.rollout.router_config_path=<the path "
+    "`ascend-rl router` prints> (ascend_rl_plugins/features/rollout_rebalance/README.md).")
 
 
 def _rebalance_requested() -> bool:

@@ -1,0 +1,339 @@
+"""Expected-work routing of rollout requests over independent server replicas (verl 0.9).
+
+Pure and deterministic (no ray, verl, numpy or clock inside): the verl router actor
+(``router.py``) and the long-tail simulator (``benchmarks/bench_rollout_router.py``) drive the
+same :class:`RoutingPolicy` with the same kinds of observations, so what the simulator
+measures is this code's decisions.
+
+Why it beats verl's least-in-flight router (which counts requests and binds each one to a
+replica the moment it arrives):
+
+* **Late binding.** A request is bound to a replica only when some replica has room for it:
+  a free slot and, where the replica's KV cache is known, room for the request's *expected
+  final* size (prompt + expected response) next to the expected final sizes of what it already
+  runs (``kv_budget`` times its KV tokens), with the KV in use leaving every request there
+  ``kv_reserve`` tokens to grow. Until then it waits here, in one queue shared by
+  every replica: a replica that drains early pulls the next request instead of idling while
+  another replica's own queue holds work (verl #658's shared queue), and no replica admits
+  more than its cache holds, so fewer requests are preempted and re-prefilled.
+* **Longest expected first.** The shared queue is ordered by expected size (``order``),
+  the classic longest-processing-time rule for makespan: a long request starts early instead
+  of last. Expected sizes come from finished siblings of the same GRPO group (same prompt
+  tokens), from the same prompt in past steps (the same key: its statistics persist, newer
+  observations weighing more), and from the mean response length the servers report.
+* **Expected-work placement.** Among replicas with room, the one whose expected final tokens
+  are the smallest share of its KV capacity (request counts when the capacity is unknown).
+  ``siblings='pack'`` instead prefers a replica already running a sibling (its prefix cache
+  holds the shared prompt); the simulator measures both and ``spread`` is the default.
+
+What it observes, and from where (the router reads nothing it cannot get from verl or vLLM):
+a finished request's *duration* (acquire to release: verl's release RPC carries no token
+count), converted to a *relative* size against the running mean duration; each replica's KV
+cache size and usage and the servers' mean generated tokens per request from vLLM's
+Prometheus ``/metrics`` (``router.py``); slots from the server's rollout config.
+
+Multi-turn sessions stay sticky: a request id seen before goes straight back to its replica,
+unqueued (its prefix cache is there). ``deterministic`` (verl's ``rollout.full_determinism``)
+keeps verl's meaning: a replica chosen from the request id alone, independent of arrival
+timing and load, with a stable hash (verl's own uses Python's ``hash``, salted per process
+unless ``PYTHONHASHSEED`` is fixed), over the replicas in registration order; no queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+SIBLINGS = ("spread", "pack")
+ORDER = ("longest_first", "arrival")
+NO_SERVERS = "No available servers in load balancer"  # verl's text: its fully-async client retries on it
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How the router decides. Every field is validated here; ``router.settings_from``
+    reads them from the YAML verl loads and the ``ASCEND_RL_ROUTER_*`` flags."""
+
+    siblings: str = "spread"  # 'spread': placement by load only; 'pack': prefer a sibling's replica
+    order: str = "longest_first"  # shared-queue order: 'longest_first' or 'arrival'
+    kv_budget: float = 1.5  # expected final tokens in flight per replica, x its KV tokens
+    kv_reserve: int = 2048  # and only while its KV in use leaves each request this many tokens to grow
+    slots: int = 0  # requests in flight per replica; 0: the server's max_num_seqs
+    prior_response_tokens: int = 0  # expected response tokens before any report; 0: half the max
+    deterministic: bool = False  # verl's rollout.full_determinism
+    sticky_entries: int = 100_000  # request ids remembered for multi-turn stickiness
+    history_entries: int = 1_000_000  # prompt keys remembered across steps
+
+    def __post_init__(self) -> None:
+        if self.siblings not in SIBLINGS:
+            raise ValueError(f"siblings={self.siblings!r}: accepted {', '.join(map(repr, SIBLINGS))}")
+        if self.order not in ORDER:
+            raise ValueError(f"order={self.order!r}: accepted {', '.join(map(repr, ORDER))}")
+        if not (isinstance(self.kv_budget, (int, float)) and 0.05 <= self.kv_budget <= 16):
+            raise ValueError(f"kv_budget={self.kv_budget!r}: accepted a number in [0.05, 16]")
+        for name in ("slots", "prior_response_tokens", "kv_reserve"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name}={value!r}: accepted an integer >= 0")
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows about one replica."""
+
+    server_id: str
+    slots: int  # requests it may run (its max_num_seqs, or the slots setting)
+    kv_capacity_tokens: int = 0  # 0: unknown (the server publishes no metrics)
+    kv_used_tokens: int = 0  # last reported
+    inflight: dict = field(default_factory=dict)  # request_id -> expected final tokens
+    groups: Counter = field(default_factory=Counter)  # group key -> siblings in flight
+    expected_tokens: float = 0.0  # sum of ``inflight``
+    fresh_prompt_tokens: int = 0  # prompts bound here since its last KV report
+
+    def projected_tokens(self) -> float:
+        """Tokens it will hold: what its requests are expected to grow to, or what it reports
+        holding now if that is more (its requests are longer than expected)."""
+        return max(self.expected_tokens, float(self.kv_used_tokens))
+
+    def load(self) -> float:
+        if self.kv_capacity_tokens > 0:
+            return self.projected_tokens() / self.kv_capacity_tokens
+        return len(self.inflight) / max(self.slots, 1)
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_tokens: int
+    group: str
+    seq: int  # arrival order
+
+
+@dataclass
+class Dispatch:
+    """One decision: ``request_id`` goes to ``server_id`` (``queued``: it waited in the queue)."""
+
+    request_id: str
+    server_id: str
+    queued: bool
+
+
+class LengthModel:
+    """Expected response size of a request, relative to the mean, by its prompt (group) key.
+
+    Observes durations (acquire to release) and keeps a running mean duration per prompt key
+    and over all requests: siblings finished in this step and the same prompt's past steps
+    feed the same statistic (weights ``1/n``, at least ``1/8``, so recent observations keep
+    counting as the policy changes a prompt's lengths). A prompt's expected size is its mean
+    over the overall mean, with one pseudo-observation at the overall mean."""
+
+    def __init__(self, history_entries: int = 1_000_000):
+        self.mean_duration = 0.0
+        self.observed = 0
+        self.by_group: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self.history_entries = history_entries
+
+    def observe(self, group: str, duration: float) -> None:
+        if duration <= 0:
+            return
+        self.observed += 1
+        self.mean_duration += max(1.0 / self.observed, 1.0 / 512) * (duration - self.mean_duration)
+        mean, n = self.by_group.pop(group, (0.0, 0))
+        n += 1
+        mean += max(1.0 / n, 1.0 / 8) * (duration - mean)
+        self.by_group[group] = (mean, n)
+        if len(self.by_group) > self.history_entries:
+            self.by_group.popitem(last=False)
+
+    def relative(self, group: str) -> float:
+        """Expected size relative to the mean (1.0 when nothing is known about the prompt)."""
+        entry = self.by_group.get(group)
+        if entry is None or self.mean_duration <= 0:
+            return 1.0
+        mean, n = entry
+        return (n * mean + self.mean_duration) / ((n + 1) * self.mean_duration)
+
+
+def stable_index(request_id: str, count: int) -> int:
+    """A replica position from the request id alone, the same in every process and run."""
+    digest = hashlib.blake2b(str(request_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % count
+
+
+class RoutingPolicy:
+    """The router's decisions; callers pass the time (seconds, any monotonic origin)."""
+
+    def __init__(self, settings: RouterSettings | None = None):
+        self.settings = settings or RouterSettings()
+        self.replicas: dict[str, ReplicaState] = {}
+        self.lengths = LengthModel(self.settings.history_entries)
+        self.sticky: OrderedDict[str, str] = OrderedDict()
+        self.mean_response_tokens = 0.0  # reported by the servers; 0: not yet
+        self.max_response_tokens = 0  # the rollout's response_length (0: unknown)
+        self._queue: list = []  # (key, seq, _Pending)
+        self._seq = 0
+        self._started: dict[str, tuple[float, str]] = {}  # request_id -> (start, group)
+        self._cancelled: set[str] = set()  # queued requests whose caller gave up
+
+    # -- replicas ------------------------------------------------------------------------
+    def add_replica(self, server_id: str, slots: int) -> None:
+        if server_id not in self.replicas:
+            self.replicas[server_id] = ReplicaState(server_id, self.settings.slots or max(int(slots), 1))
+
+    def remove_replica(self, server_id: str) -> None:
+        self.replicas.pop(server_id, None)
+
+    def report(self, server_id: str, *, kv_capacity_tokens: int | None = None,
+               kv_used_tokens: int | None = None) -> None:
+        """A replica's KV cache as its server reports it."""
+        replica = self.replicas.get(server_id)
+        if replica is None:
+            return
+        if kv_capacity_tokens is not None:
+            replica.kv_capacity_tokens = int(kv_capacity_tokens)
+        if kv_used_tokens is not None:
+            replica.kv_used_tokens = int(kv_used_tokens)
+            replica.fresh_prompt_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------
+    def expected_tokens(self, prompt_tokens: int, group: str) -> float:
+        mean = self.mean_response_tokens or self.settings.prior_response_tokens or (
+            self.max_response_tokens / 2 if self.max_response_tokens else 1.0)
+        response = self.lengths.relative(group) * mean
+        if self.max_response_tokens:
+            response = min(response, self.max_response_tokens)
+        return prompt_tokens + response
+
+    def submit(self, request_id: str, prompt_tokens: int, group: str, now: float) -> list[Dispatch]:
+        """Take a request: routed at once when sticky or deterministic, else queued. Returns
+        every request bound now (this one, or queued ones ahead of it, or none)."""
+        if not self.replicas:
+            raise RuntimeError(NO_SERVERS)
+        server_id = self.sticky.get(request_id)
+        if server_id is not None and server_id in self.replicas:
+            self.sticky.move_to_end(request_id)
+            self._bind(request_id, server_id, prompt_tokens, group, now)
+            return [Dispatch(request_id, server_id, False)]
+        if self.settings.deterministic:
+            server_id = list(self.replicas)[stable_index(request_id, len(self.replicas))]
+            self._bind(request_id, server_id, prompt_tokens, group, now)
+            return [Dispatch(request_id, server_id, False)]
+        self._seq += 1
+        pending = _Pending(request_id, int(prompt_tokens), group, self._seq)
+        heapq.heappush(self._queue, (self._key(pending), pending.seq, pending))
+        return self.dispatch(now)
+
+    def release(self, server_id: str, request_id: str | None, now: float) -> None:
+        replica = self.replicas.get(server_id)
+        start = self._started.pop(request_id, None) if request_id is not None else None
+        if replica is not None and request_id in replica.inflight:
+            replica.expected_tokens -= replica.inflight.pop(request_id)
+            if start is not None:
+                replica.groups[start[1]] -= 1
+                if replica.groups[start[1]] <= 0:
+                    del replica.groups[start[1]]
+            if not replica.inflight:
+                replica.expected_tokens = 0.0  # no float residue
+        if start is not None:
+            self.lengths.observe(start[1], now - start[0])
+
+    def dispatch(self, now: float) -> list[Dispatch]:
+        """Bind queued requests, in queue order, while some replica has room for the next."""
+        out = []
+        while self._queue:
+            pending = self._refreshed_head()
+            if pending.request_id in self._cancelled:
+                heapq.heappop(self._queue)
+                self._cancelled.discard(pending.request_id)
+                continue
+            expected = self.expected_tokens(pending.prompt_tokens, pending.group)
+            server_id = self._choose(expected, pending.group)
+            if server_id is None:
+                break
+            heapq.heappop(self._queue)
+            self._bind(pending.request_id, server_id, pending.prompt_tokens, pending.group, now, expected)
+            out.append(Dispatch(pending.request_id, server_id, True))
+        return out
+
+    def cancel(self, request_id: str) -> None:
+        """A queued request's caller gave up (its task was cancelled): never bind it."""
+        if any(p.request_id == request_id for _, _, p in self._queue):
+            self._cancelled.add(request_id)
+
+    def clear_sticky(self) -> int:
+        cleared = len(self.sticky)
+        self.sticky.clear()
+        return cleared
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue) - len(self._cancelled)
+
+    def inflight(self) -> int:
+        return sum(len(r.inflight) for r in self.replicas.values())
+
+    # -- internals -----------------------------------------------------------------------
+    def _key(self, pending: _Pending) -> float:
+        if self.settings.order == "arrival":
+            return 0.0
+        return -self.expected_tokens(pending.prompt_tokens, pending.group)
+
+    def _refreshed_head(self) -> _Pending:
+        """The queue head, its key re-evaluated (sizes change as siblings finish); a few
+        re-insertions at most, so one dispatch stays cheap."""
+        for _ in range(8):
+            key, seq, pending = self._queue[0]
+            fresh = self._key(pending)
+            if fresh == key or len(self._queue) == 1:
+                break
+            heapq.heapreplace(self._queue, (fresh, seq, pending))
+            if self._queue[0][2] is pending:
+                break
+        return self._queue[0][2]
+
+    def _fits(self, replica: ReplicaState, expected: float) -> bool:
+        if not replica.inflight:
+            return True  # an idle replica always takes work: the queue always drains
+        if len(replica.inflight) >= replica.slots:
+            return False
+        if replica.kv_capacity_tokens <= 0:
+            return True
+        if self.settings.kv_reserve and (replica.kv_used_tokens + replica.fresh_prompt_tokens
+                                         + (len(replica.inflight) + 1) * self.settings.kv_reserve
+                                         > replica.kv_capacity_tokens):
+            return False
+        return replica.projected_tokens() + expected <= self.settings.kv_budget * replica.kv_capacity_tokens
+
+    def _choose(self, expected: float, group: str) -> str | None:
+        best = None
+        best_key = None
+        pack = self.settings.siblings == "pack"
+        for position, replica in enumerate(self.replicas.values()):
+            if not self._fits(replica, expected):
+                continue
+            key = (0 if pack and replica.groups.get(group) else 1, replica.load(),
+                   len(replica.inflight), position)
+            if best_key is None or key < best_key:
+                best, best_key = replica.server_id, key
+        return best
+
+    def _bind(self, request_id: str, server_id: str, prompt_tokens: int, group: str, now: float,
+              expected: float | None = None) -> None:
+        replica = self.replicas[server_id]
+        if expected is None:
+            expected = self.expected_tokens(prompt_tokens, group)
+        previous = replica.inflight.get(request_id)
+        if previous is not None:  # the same id twice in flight (a retry): count it once
+            replica.expected_tokens -= previous
+        else:
+            replica.groups[group] += 1
+        replica.inflight[request_id] = expected
+        replica.expected_tokens += expected
+        replica.fresh_prompt_tokens += int(prompt_tokens)
+        self._started[request_id] = (now, group)
+        self.sticky[request_id] = server_id
+        self.sticky.move_to_end(request_id)
+        if len(self.sticky) > self.settings.sticky_entries:
+            self.sticky.popitem(last=False)

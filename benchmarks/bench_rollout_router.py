@@ -1,0 +1,675 @@
+"""Long-tail simulator, verl 0.9 architecture: independent server replicas fed request by request.
+
+``bench_rollout_rebalance.py`` simulates verl 0.6's lockstep DP rollout; this one simulates what
+verl 0.9 runs: R independent vLLM server replicas (each TP=4 for the 235B recipe), every
+request routed on arrival by a router actor, replicas stepping at their own pace (no lockstep
+between replicas), requests arriving asynchronously from the agent-loop workers. Per replica,
+the same engine model as the lockstep simulator: vLLM-like admission (FIFO while a slot is free
+and the request's tokens fit the KV cache) and preemption (the newest running request goes
+back to the head of its replica's queue and re-runs its prefill), a step costing the base of
+its graph batch plus attention over the context it holds (``BASE_DOC`` / ``ATTN_DOC_MS``, fitted
+to the Qwen3 RL recipe doc's TPOT figures), prefill at ``prefill_tokens_per_s`` per replica
+stalling that replica only. A sibling whose prompt is already running on the replica skips the
+prompt's prefill (prefix cache; the shared blocks are not deduplicated in the KV count).
+
+Policies, compared in one deterministic run per scenario:
+
+* ``verl least-in-flight``: verl 0.9.1's ``GlobalRequestLoadBalancer``: each request bound on
+  arrival to the replica with the fewest requests in flight, ties at random (seeded);
+* ``verl abort-and-resubmit``: the same, plus fully_async's ``rebalance_requests()`` called
+  whenever a quarter of the replicas are idle while at least R requests are in flight (at most
+  3 times): every request in flight is aborted, the prefix caches reset, and each client
+  resubmits prompt + generated tokens 1 s later through least-in-flight (full re-prefill);
+* ``this router``: :mod:`ascend_rl_plugins.features.rollout_rebalance.routing` itself (the
+  code verl loads), fed what it sees in verl: durations at release, KV size/use and mean
+  generated length from vLLM's /metrics every ``metrics_interval`` s;
+* ``this router + KV migration`` (*simulated*, no transport in this change): plus, every
+  ``migration_interval`` s once the router's queue is empty, a replica with nothing to do
+  takes the running request with the most generated tokens from the replica running the most,
+  with its KV (``tokens x kv_bytes_per_token / link``) or by re-prefill, whichever costs less,
+  charged to the destination;
+* ``pooled engine``: one engine with R x the KV, slots and prefill rate, its step that of R
+  replicas sharing the batch evenly: the reference the issue names.
+
+Run: ``python benchmarks/bench_rollout_router.py`` (all three scenarios and the settings sweep;
+``--quick`` shrinks them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import os
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rollout_rebalance import ATTN_DOC_MS, BASE_DOC, LADDER, _interp  # noqa: E402
+
+from ascend_rl_plugins.features.rollout_rebalance import routing  # noqa: E402
+from ascend_rl_plugins.features.rollout_rebalance.planner import bucket  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One rollout workload on verl 0.9 replicas."""
+
+    name: str
+    replicas: int = 32
+    prompts: int = 512
+    n: int = 16  # GRPO group size
+    batches: int = 1  # generation batches run one after the other (DAPO dynamic sampling)
+    max_num_seqs: int = 256
+    prompt_tokens: tuple[int, int] = (256, 2048)  # uniform
+    max_response: int = 32768
+    median_response: int = 7000
+    sigma_between: float = 0.7  # log-length spread between prompts (groups)
+    sigma_within: float = 0.7  # log-length spread between siblings
+    history: float = 0.0  # share of prompts whose previous-step lengths the router has seen
+    kv_tokens: int = 850_000  # per replica
+    kv_bytes_per_token: float = 94 * 2 * 1 * 128 * 2  # Qwen3-235B, TP4: 1 KV head per rank
+    link_bytes_per_s: float = 20e9
+    prefill_tokens_per_s: float = 8000.0
+    arrival_seconds: float = 2.0  # the agent-loop workers' submissions spread over this
+    seed: int = 0
+
+
+SCENARIOS = {
+    "qwen3-235b-32k-grpo": Workload("qwen3-235b-32k-grpo"),
+    "dapo-dynamic-sampling": Workload(
+        "dapo-dynamic-sampling", replicas=16, prompts=256, n=16, batches=3, max_response=20480,
+        median_response=3000, sigma_between=1.0, sigma_within=0.5, prompt_tokens=(128, 1024), seed=1),
+    "math-8k": Workload(
+        "math-8k", replicas=32, prompts=1024, n=8, max_response=8192, median_response=1500,
+        sigma_between=0.6, sigma_within=0.6, prompt_tokens=(100, 600), history=1.0, seed=2),
+}
+
+
+SECONDS_PER_TOKEN = 0.1  # a past step's duration per generated token (a full batch's TPOT)
+
+
+@dataclass
+class Requests:
+    """Every request of one generation batch: lengths, prompt sizes, groups."""
+
+    length: np.ndarray  # response tokens
+    prompt: np.ndarray  # prompt tokens
+    group: np.ndarray  # prompt index
+    arrival: np.ndarray  # seconds after the batch starts
+    history: dict  # group -> previous-step response lengths of its siblings (what the router saw)
+
+
+def make_batches(w: Workload) -> list[Requests]:
+    rng = np.random.default_rng(w.seed)
+    out = []
+    for b in range(w.batches):
+        centre = rng.normal(math.log(w.median_response), w.sigma_between, w.prompts)
+        lengths = np.exp(np.repeat(centre, w.n) + rng.normal(0, w.sigma_within, w.prompts * w.n))
+        lengths = np.clip(lengths.astype(np.int64), 16, w.max_response)
+        prompt = np.repeat(rng.integers(w.prompt_tokens[0], w.prompt_tokens[1] + 1, w.prompts), w.n)
+        group = np.repeat(np.arange(w.prompts) + b * w.prompts, w.n)
+        arrival = np.sort(rng.uniform(0, w.arrival_seconds, w.prompts * w.n))
+        history = {}
+        for g in range(w.prompts):
+            if rng.random() < w.history:  # the same prompt one step earlier: same group law
+                past = np.exp(centre[g] + rng.normal(0, w.sigma_within, w.n))
+                history[g + b * w.prompts] = np.clip(past, 16, w.max_response)
+        out.append(Requests(lengths, prompt, group, arrival, history))
+    return out
+
+
+@dataclass
+class Tally:
+    preempted: int = 0
+    prefill_tokens: int = 0
+    moved: int = 0
+    moved_kv: int = 0
+    moved_bytes: float = 0.0
+    aborted: int = 0
+    rebalances: int = 0
+
+
+class Replica:
+    """One vLLM server replica (``scale`` > 1: the pooled engine of that many replicas)."""
+
+    def __init__(self, sim: "Simulation", index: int, scale: int = 1):
+        w = sim.w
+        self.sim, self.index, self.scale = sim, index, scale
+        self.kv = w.kv_tokens * scale
+        self.slots = w.max_num_seqs * scale
+        self.prefill_rate = w.prefill_tokens_per_s * scale
+        self.attn = ATTN_DOC_MS / (w.kv_tokens * scale)  # ms per context token per step
+        self.running: dict[int, tuple[int, int]] = {}  # rid -> (generated at start, start step)
+        self.waiting: deque = deque()  # (rid, generated)
+        self.groups: Counter = Counter()  # prompt groups running here (prefix cache)
+        self.acc = 0  # context(step) = acc + len(running) * step
+        self.step = 0
+        self.time = 0.0  # at ``step``
+        self.finishing: list = []  # (finish step, rid)
+        self.version = 0
+
+    # -- time ------------------------------------------------------------------------------
+    def _base(self) -> float:
+        n = len(self.running)
+        return _interp(BASE_DOC, bucket(-(-n // self.scale), LADDER)) if n else 0.0
+
+    def seconds(self, k: int) -> float:
+        n = len(self.running)
+        if k <= 0 or n == 0:
+            return 0.0
+        c0 = self.acc + n * self.step
+        return (k * self._base() + self.attn * (k * c0 + n * k * (k - 1) / 2)) / 1000
+
+    def steps_within(self, dt: float) -> int:
+        n = len(self.running)
+        if dt <= 0 or n == 0:
+            return 0
+        a = self.attn * n / 2
+        b = self._base() + self.attn * (self.acc + n * self.step) - a
+        k = int((-b + math.sqrt(b * b + 4 * a * dt * 1000)) / (2 * a)) if a > 0 else int(dt * 1000 / b)
+        while k > 0 and self.seconds(k) > dt:
+            k -= 1
+        while self.seconds(k + 1) <= dt:
+            k += 1
+        return k
+
+    def context(self) -> int:
+        return self.acc + len(self.running) * self.step
+
+    def generated(self, rid: int) -> int:
+        gen, s0 = self.running[rid]
+        return gen + self.step - s0
+
+    # -- state -----------------------------------------------------------------------------
+    def _start(self, rid: int, gen: int) -> None:
+        p = int(self.sim.req.prompt[rid])
+        self.running[rid] = (gen, self.step)
+        self.acc += p + gen - self.step
+        self.groups[int(self.sim.req.group[rid])] += 1
+        heapq.heappush(self.finishing, (self.step + int(self.sim.req.length[rid]) - gen, rid))
+
+    def stop(self, rid: int) -> int:
+        gen, s0 = self.running.pop(rid)
+        p = int(self.sim.req.prompt[rid])
+        self.acc -= p + gen - s0
+        g = int(self.sim.req.group[rid])
+        self.groups[g] -= 1
+        if self.groups[g] <= 0:
+            del self.groups[g]
+        return gen + self.step - s0
+
+    def advance(self, k: int) -> None:
+        self.time += self.seconds(k)
+        self.step += k
+
+    def admit(self) -> None:
+        """vLLM's scheduler: FIFO while a slot is free and the tokens fit; prefill stalls."""
+        tokens = 0
+        while self.waiting and len(self.running) < self.slots:
+            rid, gen = self.waiting[0]
+            p = int(self.sim.req.prompt[rid])
+            if self.running and self.context() + p + gen + 1 > self.kv:
+                break
+            self.waiting.popleft()
+            cached = p if self.groups.get(int(self.sim.req.group[rid])) else 0
+            self._start(rid, gen)
+            tokens += p + gen - cached
+        if tokens:
+            self.time += tokens / self.prefill_rate
+            self.sim.tally.prefill_tokens += tokens
+
+    def next_event_step(self) -> int | None:
+        while self.finishing:
+            f, rid = self.finishing[0]
+            if rid in self.running and f == self._finish_of(rid):
+                break
+            heapq.heappop(self.finishing)
+        steps = []
+        if self.finishing:
+            steps.append(self.finishing[0][0])
+        n = len(self.running)
+        if n:
+            steps.append(max((self.kv - self.acc) // n + 1, self.step + 1))
+        return min(steps) if steps else None
+
+    def _finish_of(self, rid: int) -> int:
+        gen, s0 = self.running[rid]
+        return s0 + int(self.sim.req.length[rid]) - gen
+
+    def settle(self) -> list[int]:
+        """At the current step: finish, preempt, admit. Returns the finished requests."""
+        done = []
+        while self.finishing and self.finishing[0][0] <= self.step:
+            f, rid = heapq.heappop(self.finishing)
+            if rid in self.running and f == self._finish_of(rid):
+                self.stop(rid)
+                done.append(rid)
+        while self.running and self.context() > self.kv:
+            rid = next(reversed(self.running))
+            self.waiting.appendleft((rid, self.stop(rid)))
+            self.sim.tally.preempted += 1
+        self.admit()
+        return done
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+
+class Simulation:
+    """Global event loop over the replicas; the policy routes, the replicas run."""
+
+    def __init__(self, w: Workload, policy: "Policy", pooled: bool = False):
+        self.w = w
+        self.policy = policy
+        self.replicas = [Replica(self, 0, scale=w.replicas)] if pooled else [
+            Replica(self, i) for i in range(w.replicas)]
+        self.tally = Tally()
+        self.now = 0.0
+        self.events: list = []
+        self.seq = 0
+        self.where: dict[int, int] = {}
+        self.finished: list[int] = []  # every request's finish, in order (exactly once each)
+
+    def push(self, t: float, kind: str, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, data))
+
+    def schedule(self, r: Replica) -> None:
+        r.version += 1
+        s = r.next_event_step()
+        if s is not None:
+            self.push(r.time + r.seconds(s - r.step), "replica", (r.index, r.version))
+        elif r.waiting:  # only queued work (cannot happen: an empty replica admits): admit now
+            r.admit()
+
+    def sync(self, r: Replica, t: float) -> None:
+        """Bring ``r`` forward to time ``t`` (no event of its own falls before ``t``)."""
+        limit = r.next_event_step()
+        k = r.steps_within(t - r.time)
+        if limit is not None:
+            k = min(k, limit - r.step - 1)
+        r.advance(max(k, 0))
+
+    def deliver(self, rid: int, r_index: int, gen: int = 0, front: bool = False) -> None:
+        r = self.replicas[r_index]
+        self.sync(r, self.now)
+        self.where[rid] = r_index
+        if front:
+            r.waiting.appendleft((rid, gen))
+        else:
+            r.waiting.append((rid, gen))
+        r.admit()
+        self.schedule(r)
+
+    def run_batch(self, req: Requests, start: float) -> float:
+        self.req = req
+        self.finished_now: set[int] = set()
+        for r in self.replicas:
+            r.time = max(r.time, start)
+        for rid in range(len(req.length)):
+            self.push(start + float(req.arrival[rid]), "arrive", (rid, 0))
+        self.policy.begin(self, req, start)
+        remaining = len(req.length)
+        last = start
+        while remaining:
+            t, _, kind, data = heapq.heappop(self.events)
+            self.now = max(self.now, t)
+            if kind == "arrive":
+                self.policy.arrive(self, data[0], data[1])
+            elif kind == "check":
+                if remaining:
+                    self.policy.check(self)
+                    self.push(self.now + data, "check", data)
+            else:
+                index, version = data
+                r = self.replicas[index]
+                if version != r.version:
+                    continue
+                target = r.next_event_step()
+                r.advance(target - r.step)
+                done = r.settle()
+                self.now = max(self.now, r.time) if not done else self.now
+                for rid in done:
+                    if rid in self.finished_now:
+                        raise AssertionError(f"request {rid} finished twice")
+                    self.finished_now.add(rid)
+                    self.finished.append(rid)
+                    remaining -= 1
+                    last = max(last, r.time)
+                    self.where.pop(rid, None)
+                    self.policy.finish(self, rid, index, r.time)
+                self.schedule(r)
+        self.events = [e for e in self.events if e[2] == "replica"]
+        heapq.heapify(self.events)
+        return last
+
+
+# -- policies ---------------------------------------------------------------------------------
+
+class Policy:
+    check_every: float = 0.0
+
+    def begin(self, sim: Simulation, req: Requests, start: float) -> None:
+        if self.check_every:
+            sim.push(start + self.check_every, "check", self.check_every)
+
+    def arrive(self, sim, rid, gen): ...
+
+    def finish(self, sim, rid, replica, t): ...
+
+    def check(self, sim): ...
+
+
+class LeastInflight(Policy):
+    """verl 0.9.1's GlobalRequestLoadBalancer (no stickiness needed: one turn per request)."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.inflight: Counter = Counter()
+
+    def route(self, sim):
+        counts = [self.inflight[i] for i in range(len(sim.replicas))]
+        low = min(counts)
+        ties = [i for i, c in enumerate(counts) if c == low]
+        return ties[int(self.rng.integers(len(ties)))] if len(ties) > 1 else ties[0]
+
+    def arrive(self, sim, rid, gen):
+        i = self.route(sim)
+        self.inflight[i] += 1
+        sim.deliver(rid, i, gen)
+
+    def finish(self, sim, rid, replica, t):
+        self.inflight[replica] -= 1
+
+
+class AbortResubmit(LeastInflight):
+    """fully_async's rebalance_requests(): clear sticky, abort all, clients resubmit 1 s later."""
+
+    check_every = 5.0
+
+    def __init__(self, seed: int = 0, idle_share: float = 0.25, most: int = 3):
+        super().__init__(seed)
+        self.idle_share, self.most, self.done = idle_share, most, 0
+
+    def check(self, sim):
+        idle = sum(r.idle() for r in sim.replicas)
+        inflight = sum(len(r.running) + len(r.waiting) for r in sim.replicas)
+        if (self.done >= self.most or idle < self.idle_share * len(sim.replicas)
+                or inflight < len(sim.replicas)):
+            return
+        self.done += 1
+        sim.tally.rebalances += 1
+        for r in sim.replicas:
+            sim.sync(r, sim.now)
+            aborted = [(rid, r.stop(rid)) for rid in list(r.running)] + list(r.waiting)
+            r.waiting.clear()
+            r.groups.clear()  # abort_all_requests resets the prefix cache
+            self.inflight[r.index] = 0
+            sim.schedule(r)
+            for rid, gen in aborted:
+                sim.tally.aborted += 1
+                sim.push(sim.now + 1.0, "arrive", (rid, gen))
+
+
+class ThisRouter(Policy):
+    """The router verl loads (routing.RoutingPolicy), fed what it sees there."""
+
+    def __init__(self, settings: routing.RouterSettings, metrics_interval: float = 1.0,
+                 migrate_every: float = 0.0):
+        self.policy = routing.RoutingPolicy(settings)
+        self.check_every = metrics_interval
+        self.migrate_every = migrate_every
+        self.next_migration = 0.0
+        self.started: dict[int, float] = {}
+        self.gen_sum = 0.0
+        self.gen_count = 0
+
+    def begin(self, sim, req, start):
+        if not self.policy.replicas:
+            for r in sim.replicas:
+                self.policy.add_replica(str(r.index), r.slots)
+            self.policy.max_response_tokens = sim.w.max_response
+            # step >= 2 of a run: the servers' generated-length histogram (cumulative since
+            # they started) and the router's mean duration hold one earlier step of the same
+            # workload (other prompts)
+            past = make_batches(replace(sim.w, seed=sim.w.seed + 1000, batches=1))[0].length
+            self.gen_sum, self.gen_count = float(past.sum()), len(past)
+            self.policy.lengths.mean_duration = float(past.mean()) * SECONDS_PER_TOKEN
+            self.policy.lengths.observed = len(past)
+        for g, past in req.history.items():  # the same prompt's previous step, as durations
+            for tokens in past:
+                self.policy.lengths.observe(str(g), float(tokens) * SECONDS_PER_TOKEN)
+        self.report(sim)
+        super().begin(sim, req, start)
+
+    def _bound(self, sim, dispatches):
+        for d in dispatches:
+            rid = int(d.request_id)
+            sim.deliver(rid, int(d.server_id), self.pending_gen.pop(rid, 0))
+
+    pending_gen: dict
+
+    def arrive(self, sim, rid, gen):
+        if not hasattr(self, "pending_gen"):
+            self.pending_gen = {}
+        self.pending_gen[rid] = gen
+        self._bound(sim, self.policy.submit(str(rid), int(sim.req.prompt[rid]),
+                                            str(int(sim.req.group[rid])), sim.now))
+
+    def finish(self, sim, rid, replica, t):
+        self.gen_sum += float(sim.req.length[rid])
+        self.gen_count += 1
+        self.policy.release(str(replica), str(rid), t)
+        self._bound(sim, self.policy.dispatch(t))
+
+    def report(self, sim):
+        """vLLM's /metrics: KV capacity and use per replica, mean generated tokens."""
+        for r in sim.replicas:
+            self.policy.report(str(r.index), kv_capacity_tokens=r.kv, kv_used_tokens=r.context())
+        if self.gen_count:
+            self.policy.mean_response_tokens = self.gen_sum / self.gen_count
+
+    def check(self, sim):
+        self.report(sim)
+        self._bound(sim, self.policy.dispatch(sim.now))
+        if self.migrate_every and sim.now >= self.next_migration and not self.policy.queued:
+            self.next_migration = sim.now + self.migrate_every
+            self.migrate(sim)
+
+    def migrate(self, sim):
+        """Simulated tail migration, once the router's queue is empty: requests a replica has
+        queued (preempted, or not admitted) go to the replica with the most KV room; then, while
+        request counts differ by 2 or more, the most loaded replica's longest-running request
+        moves to the least loaded one, with its KV or by re-prefill, whichever costs less
+        (charged to the destination). At most one move per replica per check."""
+        w = sim.w
+        for r in sim.replicas:
+            sim.sync(r, sim.now)
+
+        def room(r):
+            return r.kv - r.context() - len(r.running) * 512
+
+        touched = set()
+        for src in sorted(sim.replicas, key=lambda r: (-len(r.waiting), r.index)):
+            while src.waiting:
+                rid, gen = src.waiting[-1]
+                need = int(sim.req.prompt[rid]) + gen + 1
+                dst = max((r for r in sim.replicas if r is not src and r.index not in touched
+                           and len(r.running) < r.slots), key=lambda r: (room(r), -r.index), default=None)
+                if dst is None or room(dst) < need:
+                    break
+                src.waiting.pop()
+                self._move(sim, rid, gen, src, dst, 0.0)
+                touched.add(dst.index)
+        for _ in range(len(sim.replicas)):
+            free = [r for r in sim.replicas if r.index not in touched]
+            if len(free) < 2:
+                break
+            src = max(free, key=lambda r: (len(r.running), r.context(), -r.index))
+            dst = min(free, key=lambda r: (len(r.running) + len(r.waiting), r.context(), r.index))
+            if len(src.running) - (len(dst.running) + len(dst.waiting)) < 2:
+                break
+            rid = max(src.running, key=lambda x: (src.generated(x), -x))
+            tokens = int(sim.req.prompt[rid]) + src.generated(rid)
+            if room(dst) < tokens:
+                break
+            gen = src.stop(rid)
+            by_kv = tokens * w.kv_bytes_per_token / w.link_bytes_per_s
+            by_prefill = tokens / w.prefill_tokens_per_s
+            sim.tally.moved_kv += by_kv <= by_prefill
+            sim.tally.moved_bytes += tokens * w.kv_bytes_per_token if by_kv <= by_prefill else 0
+            self._move(sim, rid, gen, src, dst, min(by_kv, by_prefill), running=True)
+            touched.update((src.index, dst.index))
+
+    def _move(self, sim, rid, gen, src, dst, cost, running=False):
+        sim.tally.moved += 1
+        dst.time = max(dst.time, sim.now) + cost + 0.002
+        if running:  # it keeps its KV: runs at the destination without a prefill
+            dst._start(rid, gen)
+        else:
+            dst.waiting.append((rid, gen))
+            dst.admit()
+        sim.where[rid] = dst.index
+        books = self.policy.replicas
+        expected = books[str(src.index)].inflight.pop(str(rid), None)
+        if expected is not None:  # the router's books follow the request
+            books[str(src.index)].expected_tokens -= expected
+            books[str(dst.index)].inflight[str(rid)] = expected
+            books[str(dst.index)].expected_tokens += expected
+        sim.schedule(src)
+        sim.schedule(dst)
+
+
+def run(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tally]:
+    seconds, tally, _ = simulate(w, make_policy, pooled)
+    return seconds, tally
+
+
+def simulate(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tally, list]:
+    """Makespan, tallies and, per generation batch, the finished requests in finish order."""
+    policy = make_policy()
+    sim = Simulation(w, policy, pooled=pooled)
+    t = 0.0
+    finished = []
+    for req in make_batches(w):
+        t = sim.run_batch(req, t)
+        finished.append(list(sim.finished))
+        sim.finished.clear()
+    return t, sim.tally, finished
+
+
+def policies(w: Workload, defaults: routing.RouterSettings):
+    return [
+        ("verl least-in-flight", lambda: LeastInflight(w.seed), False),
+        ("verl abort-and-resubmit", lambda: AbortResubmit(w.seed), False),
+        ("this router", lambda: ThisRouter(defaults), False),
+        ("this router + KV migration (simulated)", lambda: ThisRouter(defaults, migrate_every=5.0), False),
+        ("pooled engine (reference)", lambda: LeastInflight(w.seed), True),
+    ]
+
+
+def compare(w: Workload, defaults: routing.RouterSettings, seeds: int) -> list:
+    """Each policy on ``seeds`` draws of the workload (lengths, arrivals, verl's tie-breaks)."""
+    rows = []
+    for name, make, pooled in policies(w, defaults):
+        runs = []
+        for k in range(seeds):
+            ws = replace(w, seed=w.seed + 100 * k)
+            make_k = policies(ws, defaults)[[p[0] for p in policies(ws, defaults)].index(name)][1]
+            runs.append(run(ws, make_k, pooled))
+        rows.append((name, [r[0] for r in runs], [r[1] for r in runs]))
+    return rows
+
+
+def print_rows(w: Workload, rows) -> dict:
+    base = np.array(rows[0][1])
+    pooled = np.array(rows[-1][1])
+    print(f"\n== {w.name}: {w.replicas} replicas x {w.max_num_seqs} slots, {w.kv_tokens // 1000}K KV "
+          f"tokens each; {w.batches} x {w.prompts} prompts x n={w.n}; response median "
+          f"{w.median_response}, max {w.max_response}; history {w.history:.0%}; {len(base)} seeds")
+    print("| policy | makespan s (mean) | vs least-in-flight (mean; worst seed) | vs pooled (mean) "
+          "| preempted | prefill M tokens | moved (with KV) | KV GB | aborted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    out = {}
+    for name, seconds, tallies in rows:
+        sec = np.array(seconds)
+        gain = 1 - sec / base
+        out[name] = sec
+        t = lambda f: np.mean([getattr(x, f) for x in tallies])  # noqa: E731
+        print(f"| {name} | {sec.mean():.0f} | {gain.mean():+.1%}; {gain.min():+.1%} | "
+              f"{(sec / pooled).mean() - 1:+.1%} | {t('preempted'):.0f} | {t('prefill_tokens') / 1e6:.1f} | "
+              f"{t('moved'):.0f} ({t('moved_kv'):.0f}) | {t('moved_bytes') / 1e9:.1f} | {t('aborted'):.0f} |")
+    return out
+
+
+def sweep(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
+    """The router's settings, one change at a time from the defaults: alone and with the
+    simulated migration, mean gain over least-in-flight across seeds (worst seed)."""
+    print(f"\nsettings sweep on {w.name}, {seeds} seeds (vs least-in-flight: mean, worst seed):")
+    draws = [replace(w, seed=w.seed + 100 * k) for k in range(seeds)]
+    base = np.array([run(x, lambda: LeastInflight(x.seed))[0] for x in draws])
+    changes = [("defaults", {})] + [(f"kv_budget={b}", {"kv_budget": b}) for b in (1.0, 2.0, 16.0)] + [
+        (f"kv_reserve={r}", {"kv_reserve": r}) for r in (0, 1024, 4096)] + [
+        ("siblings=pack", {"siblings": "pack"}), ("order=arrival", {"order": "arrival"})]
+    for label, change in changes:
+        s = replace(defaults, **change)
+        alone = 1 - np.array([run(x, lambda: ThisRouter(s))[0] for x in draws]) / base
+        mig = 1 - np.array([run(x, lambda: ThisRouter(s, migrate_every=5.0))[0] for x in draws]) / base
+        print(f"  {label:>16}: alone {alone.mean():+.1%} ({alone.min():+.1%}), + migration "
+              f"{mig.mean():+.1%} ({mig.min():+.1%})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a quarter of the prompts, 8 replicas")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--seeds", type=int, default=3, help="draws of each workload")
+    args = ap.parse_args()
+    from ascend_rl_plugins.features import rollout_rebalance as rr
+    defaults = routing.RouterSettings(siblings=rr.ROUTER_SIBLINGS.default, order=rr.ROUTER_ORDER.default,
+                                      kv_budget=rr.ROUTER_KV_BUDGET.default,
+                                      kv_reserve=rr.ROUTER_KV_RESERVE.default)
+    print(f"router defaults: siblings={defaults.siblings}, order={defaults.order}, "
+          f"kv_budget={defaults.kv_budget}, kv_reserve={defaults.kv_reserve}")
+    t0 = time.perf_counter()
+    results = {}
+    for key in args.scenarios.split(","):
+        w = SCENARIOS[key]
+        if args.quick:
+            w = replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4)
+        results[key] = print_rows(w, compare(w, defaults, args.seeds))
+    print()
+    worst = []
+    for key, r in results.items():
+        lif, abort = r["verl least-in-flight"], r["verl abort-and-resubmit"]
+        mig, alone, pooled = (r["this router + KV migration (simulated)"], r["this router"],
+                              r["pooled engine (reference)"])
+        print(f"{key} (means over seeds): router + migration vs least-in-flight "
+              f"{1 - (mig / lif).mean():+.1%} (target >= +15% on 235B), vs abort-and-resubmit "
+              f"{1 - (mig / abort).mean():+.1%} (>= +5%), vs pooled {(mig / pooled).mean() - 1:+.1%} "
+              f"(<= +5%); pooled vs least-in-flight {1 - (pooled / lif).mean():+.1%}; router alone vs "
+              f"least-in-flight {1 - (alone / lif).mean():+.1%}")
+        worst.append(("router + migration", key, float((1 - mig / lif).min())))
+        worst.append(("router alone", key, float((1 - alone / lif).min())))
+    for who in ("router + migration", "router alone"):
+        mine = [x for x in worst if x[0] == who]
+        low = min(mine, key=lambda x: x[2])
+        print(f"{who} never worse than verl's least-in-flight on any scenario and seed: "
+              f"{'yes' if low[2] >= 0 else 'NO'} (worst {low[2]:+.1%}, {low[1]})")
+    if not args.no_sweep:
+        for key in args.scenarios.split(","):
+            w = SCENARIOS[key]
+            sweep(replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4) if args.quick else w,
+                  defaults, args.seeds)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"(simulated in {time.perf_counter() - t0:.0f} s; load average {load:.1f} on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()
