@@ -177,3 +177,34 @@ def test_a_pre_narrowed_slice_goes_to_its_slot_and_rows_and_a_wrong_layout_is_re
     assert vllm_side.checkpoint_layout(model, hidden=3)
     fused.w13_weight = torch.nn.Parameter(fused.w13_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
     assert not vllm_side.checkpoint_layout(model, hidden=3)  # as vLLM-Ascend leaves it after loading
+
+
+# -- every fallback is collective: exactly one rank of four refuses -----------------------------
+
+@pytest.fixture(scope="module")
+def one_refuses():
+    if not require_installed("torch", "megatron-core", "verl").startswith("0.6."):
+        pytest.skip("the per_tensor_generator hook is for verl 0.6.x")
+    return run_group("tests.features.moe_reshard.verl06_scenario", "one_rank_refuses", 4, 2, env=ENV, timeout=600)
+
+
+@pytest.mark.parametrize("case,says", [
+    ("validation", "rank 1: plan: rank 1 receives 1 bytes, minimum 0 (injected)"),
+    ("planner", "rank 2: plan: moe ffn hidden 8 is not divisible by etp 3 (injected)"),
+    ("exception", "rank 3: plan: RuntimeError: expert parameters unreadable (injected)"),
+    ("setup_exception", "rank 0: setup: KeyError: 'num_moe_experts (injected)'"),
+    ("digest", "ranks would plan from different inputs (2 plan digests: "),
+])
+def test_one_rank_refusing_makes_every_rank_take_the_stock_path_with_one_warning(one_refuses, case, says):
+    """A plan that fails validation, a planner refusal, an exception while preparing, an
+    exception while reading the layouts, a flag set differently: on one rank of four only. Every
+    rank syncs exactly stock's tensors (no partial sync), none deadlocks (the group's timeout),
+    and each logs one WARNING naming the refusing rank and its reason."""
+    for r in one_refuses:
+        got = r[case]
+        assert got["equals_stock"] and got["tensors"] == r["stock_tensors"], (case, r["rank"], got)
+        assert len(got["log"]) == 1, got["log"]
+        assert got["log"][0].startswith("WARNING ascend-rl moe_reshard: falling back to stock weight sync: " + says), got
+    # without a refusal the same ranks reshard (fewer tensors than stock), before and after
+    for r in one_refuses:
+        assert r["healthy"]["tensors"] < r["stock_tensors"] and r["after"] == r["healthy"]

@@ -1,7 +1,8 @@
 """moe_reshard planner properties (hypothesis), checked by brute force independent of the
 planner's own bookkeeping: every needed row delivered exactly once per destination, only from
 a rank that holds it, wire bytes equal to the minimum for the layout, per-round caps, layer
-order, closest-owner choice, the same plan on every rank (and in another interpreter), and
+order, the busiest sender and receiver against their lower bounds (same-node owners
+preferred up to the balance cap), the same plan on every rank (and in another interpreter), and
 layouts the seed's scheme cannot serve (rollout EP not a multiple of training EP, experts not
 divisible by the rollout EP, ETP > 1, PP with uneven stages, redundant experts)."""
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ascend_rl_plugins.features.moe_reshard.layout import PROJS, MoEShape, RolloutLayout, TrainingLayout
-from ascend_rl_plugins.features.moe_reshard.planner import PlanError, plan
+from ascend_rl_plugins.features.moe_reshard.planner import PlanError, plan, receiver_lower_bound, sender_lower_bound
 
 
 @st.composite
@@ -124,12 +125,22 @@ def test_plan_delivers_every_needed_row_once_at_the_minimum_within_the_caps(case
              for rd in p.rounds if rd.deliveries]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
-    # closest owner: a same-node holder is used whenever one exists
+    # balance: total at the minimum (above) and the busiest sender between its lower bound and
+    # that bound plus one unit; busiest receiver at its bound; a unit crosses nodes only when
+    # every same-node holder was at its owner group's cap
+    sent = [p.bytes_sent(r) for r in range(world)]
+    wire_units = [tr.nbytes for tr in p.transfers if tr.src != tr.dst]
+    bound = sender_lower_bound(shape, training, rollout)
+    assert bound <= p.busiest_sender <= bound + max(wire_units, default=0)
+    assert p.busiest_receiver == receiver_lower_bound(shape, training, rollout)
     for tr in p.transfers:
         if tr.src != tr.dst:
             rows = {(tr.slice.layer, tr.slice.expert, tr.slice.proj, i) for i in range(tr.slice.lo, tr.slice.hi)}
-            near = [o for o in range(world) if o // per_node == tr.dst // per_node and rows <= held[o]]
-            assert not near or tr.src // per_node == tr.dst // per_node
+            holders = tuple(o for o in range(world) if rows <= held[o])
+            assert sent[tr.src] <= p.sender_cap(holders) or len(set(wire_units)) > 1
+            if tr.src // per_node != tr.dst // per_node:
+                near = [o for o in holders if o // per_node == tr.dst // per_node]
+                assert all(sent[o] + tr.nbytes > p.sender_cap(holders) for o in near)
 
     # peak: two rounds in flight <= 4 buckets (a lone oversized parcel counts as its own bucket)
     biggest = max([d.slice.rows * row_bytes for d in p.deliveries] + [bucket])
