@@ -276,9 +276,13 @@ def _with_world(training: TrainingLayout, world: int) -> TrainingLayout:
 
 
 def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, bucket_bytes: int,
-         ranks_per_node: int = 16) -> Plan:
+         ranks_per_node: int = 16, balance: bool = True) -> Plan:
     """Plan the reshard of every expert slice from ``training`` to ``rollout`` (see the module
-    docstring). Raises PlanError with a one-line reason for a layout it cannot serve."""
+    docstring). Raises PlanError with a one-line reason for a layout it cannot serve.
+
+    ``balance=False`` is the earlier source rule (a same-node owner whenever one exists, the
+    least loaded among them), kept as the benchmark's baseline: on layouts with replicated
+    owners it can load one sender far above the others."""
     if bucket_bytes < 1 or ranks_per_node < 1:
         raise PlanError("bucket_bytes and ranks_per_node must be >= 1")
     world = rollout.world_size()
@@ -323,6 +327,8 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
     # longest-first greedy over its wire units), and a unit goes to the least loaded same-node
     # owner under the cap, else the least loaded owner under the cap, else the least loaded.
     caps = _sender_caps(u for _, _, _, units in work for u in units if u.src < 0)
+    if not balance:
+        caps = dict.fromkeys(caps, 1 << 62)
     load = [0] * world
     for dst, _, _, units in work:
         for u in units:
