@@ -1,7 +1,9 @@
 """The reshard planner: which rank sends which expert rows to which rank, in which round.
 
 Pure and deterministic (numpy only, no torch, no communication): every rank computes the same
-plan from the same shape and layouts, so the executor needs no metadata exchange.
+plan from the same shape and layouts, so the executor needs no metadata exchange. A plan depends
+on nothing else, so each process keeps the plans it made (``PlanCache``, keyed by
+``plan_key``) and plans again only when an input -- an expert map, after EPLB -- changes.
 
 How it plans (see ``plan``):
 
@@ -11,10 +13,15 @@ How it plans (see ``plan``):
 2. *Units.* Each need is cut at the training ETP shard boundaries; a unit is one piece of one
    need that lies inside one ETP shard, so exactly one set of training ranks (the expert
    data-parallel replicas of that shard) owns it.
-3. *Sources.* The destination itself if it owns the unit (a free local copy); else an owner on
-   the same node (``ranks_per_node``); among those (or all owners) the least loaded so far, ties
-   to the lowest rank. Every unit moves at most once, so the bytes received equal the minimum
-   for the layout by construction (``validate`` and the property tests check it independently).
+3. *Sources.* The destination itself if it owns the unit (a free local copy); else one of the
+   unit's owners (the expert data-parallel replicas of its shard). Every unit moves at most
+   once, so the bytes received equal the minimum for the layout whichever owner sends
+   (``validate`` and the property tests check it independently); the choice only spreads the
+   sending. Each owner group gets a cap (the busiest member under a longest-first greedy
+   assignment of the group's wire units: optimal for units of one size) and a unit goes to the
+   least loaded owner on the destination's node (``ranks_per_node``) under the cap, else the
+   least loaded owner under the cap, else the least loaded; ties to the lowest rank. The
+   busiest sender is reported against ``sender_lower_bound``.
 4. *Rounds.* Layer by layer, each need (all its units together) goes into the first round, at or
    after the last round opened so far, where every sender's send bytes and the receiver's
    receive bytes stay within ``bucket_bytes``; a rank with nothing yet in a round accepts one
@@ -341,8 +348,8 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
             load[u.src] += u.nbytes
 
     # pass 3: rounds (module docstring, step 4)
-    sent_rows: list[np.ndarray] = []                  # per round, per rank
-    recv_rows: list[np.ndarray] = []
+    sent_rows: list[list[int]] = []                   # per round, per rank (plain lists: scalar
+    recv_rows: list[list[int]] = []                   # access to numpy elements is slow here)
     round_transfers: list[list[int]] = []
     round_deliveries: list[list[int]] = []
     transfers: list[Transfer] = []
@@ -350,8 +357,8 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
     cap = bucket_bytes
 
     def new_round() -> int:
-        sent_rows.append(np.zeros(world, dtype=np.int64))
-        recv_rows.append(np.zeros(world, dtype=np.int64))
+        sent_rows.append([0] * world)
+        recv_rows.append([0] * world)
         round_transfers.append([])
         round_deliveries.append([])
         return len(sent_rows) - 1
@@ -405,7 +412,8 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
                    for k, (ts, ds) in enumerate(zip(round_transfers, round_deliveries)))
     empty = np.zeros((0, world), dtype=np.int64)
     return Plan(shape, training, rollout, bucket_bytes, ranks_per_node, world, tuple(transfers), tuple(deliveries),
-                rounds, np.array(sent_rows) if sent_rows else empty, np.array(recv_rows) if recv_rows else empty,
+                rounds, np.array(sent_rows, dtype=np.int64) if sent_rows else empty,
+                np.array(recv_rows, dtype=np.int64) if recv_rows else empty,
                 caps)
 
 

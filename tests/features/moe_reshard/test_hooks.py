@@ -120,6 +120,43 @@ def test_verl_09_exports_through_megatron_bridge_and_is_declared_not_covered():
     assert all(p.versions_text == feature.VERL06 for p in feature.FEATURE.patches)
 
 
+def _method(path: str, cls: str, name: str):
+    import ast
+    tree = ast.parse(open(path).read())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
+
+
+def test_verl_09_gives_a_registered_checkpoint_engine_only_the_bridge_export_and_no_expert_maps():
+    """Why the reshard is not (yet) a verl 0.9.1 checkpoint-engine backend, read in the source
+    (no import): a backend registered through ``custom_backend_module`` is built on the trainer
+    side from ``bucket_size`` / ``is_master`` / ``engine_kwargs`` and, unless it is named
+    ``naive`` or ``delta_sharded``, is handed ``engine.get_per_tensor_param()`` -- Megatron-Bridge's
+    HF export, whose experts are already gathered over EP; only ``delta_sharded`` receives the
+    training engine (and with it the local shards). On the rollout side the engine is built from
+    ``bucket_size`` and ``engine_kwargs`` alone: it never sees the server adapter, so it cannot
+    read the live engine's expert maps. If either changes upstream, this test fails: revisit
+    the backend (README, "verl 0.9.1")."""
+    import ast
+
+    from tests.support.stacks import source
+    workers = source("current", "verl", "verl", "workers", "engine_workers.py")
+    update = ast.unparse(_method(workers, "ActorRolloutRefWorker", "update_weights"))
+    assert "if effective_mode == 'delta_sharded':" in update
+    assert "await self.checkpoint_engine.send_weights(self.actor.engine" in update
+    assert "per_tensor_param, _ = self.actor.engine.get_per_tensor_param()" in update
+    assert "await self.checkpoint_engine.send_weights(per_tensor_param" in update
+    init = ast.unparse(_method(workers, "ActorRolloutRefWorker", "init_model"))
+    assert "import_external_libs(checkpoint_engine_config.custom_backend_module or None)" in init
+    assert "CheckpointEngineRegistry.new(backend, is_master=torch.distributed.get_rank() == 0, " \
+           "bucket_size=bucket_size, **engine_kwargs)" in init
+    base = source("current", "verl", "verl", "checkpoint_engine", "base.py")
+    rollout_side = ast.unparse(_method(base, "CheckpointEngineWorker", "__init__"))
+    assert "CheckpointEngineRegistry.new(backend, bucket_size=bucket_size, **engine_kwargs)" in rollout_side
+    receive = ast.unparse(_method(base, "CheckpointEngineWorker", "update_weights"))
+    assert "self.checkpoint_engine.receive_weights(global_steps=global_steps)" in receive
+
+
 # -- the rollout side's expert maps --------------------------------------------------------------
 
 def _fused(expert_map, experts=4, local=None, inter=2, hidden=3):
