@@ -245,3 +245,15 @@ def test_one_rank_refusing_makes_every_rank_take_the_stock_path_with_one_warning
     # without a refusal the same ranks reshard (fewer tensors than stock), before and after
     for r in one_refuses:
         assert r["healthy"]["tensors"] < r["stock_tensors"] and r["after"] == r["healthy"]
+
+
+def test_after_an_expert_map_change_each_rank_receives_exactly_what_it_hosts_now(one_refuses):
+    """verl #7086's failure mode (stale expert ids after EPLB / a wake-up): the map of this sync
+    is part of the plan key, so a changed map is planned afresh instead of reusing the cached
+    plan; every rank gets exactly its newly hosted expert (each projection of each layer once),
+    equal to stock's tensor, and the old plan stays cached beside the new one."""
+    for r in one_refuses:
+        m = r["moved"]
+        assert m["expert_ids"] == m["hosted"] == [(r["rank"] + 1) % 4], m
+        assert m["names"] == 2 * 3 and m["equal_stock"], m
+        assert m["plans_cached"] == 2

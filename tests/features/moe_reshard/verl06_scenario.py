@@ -410,6 +410,18 @@ def one_rank_refuses(tp: int = 1) -> dict:
                 result["log"] = [f"{level} {m}" for level, m in records if "moe_reshard" in m]
                 out[case] = result
             records.clear()
+            planner.CACHE.reset()
             out["after"] = sync()              # the group is still usable and the reshard runs again
+        # EPLB moved experts since the last sync (verl #7086: a sync planned from the old map
+        # leaves stale experts in the moved slots): the map read at this sync is a new plan key,
+        # so the plan is made afresh and each rank receives exactly what it hosts now
+        moved = RolloutLayout.from_expert_maps(1, world, [[(r + 1) % world] for r in range(world)])
+        with hooks_verl06.declare_rollout(moved):
+            got = _collect(mu.per_tensor_generator(*args))
+        stock_by_name = dict(stock)
+        experts = [(n, t) for n, t in got if ".mlp.experts." in n]
+        out["moved"] = {"hosted": list(moved.expert_maps[rank]), "expert_ids": sorted({int(n.split(".")[5]) for n, _ in experts}),
+                        "names": len(experts), "equal_stock": all(torch.equal(t, stock_by_name[n]) for n, t in experts),
+                        "plans_cached": len(planner.CACHE)}
         out["stock_tensors"] = len(stock)
     return out
