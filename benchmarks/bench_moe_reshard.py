@@ -18,6 +18,11 @@ Part 1 (model, no communication) -- for each layout, per rank (max) and in total
   + the largest assembled need).
 * ``minimum`` : every needed row a rank does not already hold, once (``planner.minimum_bytes``).
 
+Part 1b (plan once, balanced senders) -- for the recipe layout and one with replicated owners:
+plan time cold (plan + validate) and cached (a lookup by the input digest), the re-plan after a
+simulated EPLB move, the busiest sender and receiver against their lower bounds, and the earlier
+source rule (same-node owner first) as the baseline.
+
 Part 2 (measured): 4 gloo processes on this machine, a small real config (random expert
 tensors in Megatron GroupedMLP storage), ``reshard_experts`` vs the stock-style path
 (all_gather over EP per local expert, the loader keeping only its hosted experts); both
@@ -38,7 +43,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ascend_rl_plugins.features.moe_reshard.layout import MoEShape, RolloutLayout, TrainingLayout  # noqa: E402
-from ascend_rl_plugins.features.moe_reshard.planner import PlanError, plan  # noqa: E402
+from ascend_rl_plugins.features.moe_reshard.planner import PlanCache, PlanError, plan, receiver_lower_bound, \
+    sender_lower_bound  # noqa: E402
 
 GB = 1e9
 SMALL_BUCKET = 64 << 20
@@ -161,6 +167,67 @@ def part1(bucket_bytes: int) -> None:
         else:
             print(f"\nstock / this planner, bytes per rank (max): {max(stock) / max(mine):.1f}x")
         print()
+
+
+# ---------------------------------------------------------------------------------------------
+# part 1b: plan once, balanced senders
+
+BALANCE_LAYOUTS = [
+    LAYOUTS[0],
+    ("Qwen3-30B-A3B, 32 ranks, replicated owners: train TP2/PP1/EP8/ETP1 (4 expert-DP copies of every expert) "
+     "-> rollout TP4xDP8 EP32 linear",
+     MoEShape(48, 128, 2048, 768), TrainingLayout(tp=2, pp=1, ep=8, etp=1, expert_impl="grouped"),
+     RolloutLayout.linear(4, 8, 128)),
+]
+
+
+def _eplb_move(rollout: RolloutLayout) -> RolloutLayout:
+    """The same layout after a (simulated) EPLB step: the first experts of ranks 0 and 1 swap."""
+    maps = [list(m) for m in rollout.expert_maps]
+    maps[0][0], maps[1][0] = maps[1][0], maps[0][0]
+    return RolloutLayout.from_expert_maps(rollout.tp, rollout.dp, maps)
+
+
+def part1b(bucket_bytes: int, lookups: int = 200) -> None:
+    print(f"## Plan once, balanced senders (bucket {bucket_bytes / 2**20:.0f} MiB, bf16)\n")
+    print("Cold = plan + validate on an empty cache (what every rank did at every sync before); "
+          f"cached = median of {lookups} lookups of the same inputs (digest of the layouts and maps + "
+          "dictionary hit); after an EPLB move = the first sync after two experts swapped ranks (a new "
+          "digest: planned afresh). Busiest sender / receiver: the most wire bytes one rank sends / "
+          "receives in the whole sync; lower bounds from the layouts alone (planner.sender_lower_bound, "
+          "receiver_lower_bound). Baseline: the earlier source rule (same-node owner first, "
+          "`plan(balance=False)`), same run.\n")
+    print("| layout | plan cold (s) | cached lookup (ms) | after an EPLB move (s) | busiest sender (GB) "
+          "| sender lower bound (GB) | ratio | earlier rule: busiest sender (GB), ratio | busiest receiver (GB) "
+          "| receiver lower bound (GB) | total = minimum |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for title, shape, training, rollout in BALANCE_LAYOUTS:
+        world = rollout.world_size()
+        cache = PlanCache()
+        t0 = time.perf_counter()
+        planned = cache.get(shape, training, rollout, bucket_bytes=bucket_bytes)
+        cold = time.perf_counter() - t0
+        p = planned.checked()
+        hits = []
+        for _ in range(lookups):
+            t0 = time.perf_counter()
+            again = cache.get(shape, training, rollout, bucket_bytes=bucket_bytes)
+            hits.append(time.perf_counter() - t0)
+            assert again.cached and again.plan is p
+        moved = _eplb_move(rollout)
+        t0 = time.perf_counter()
+        replanned = cache.get(shape, training, moved, bucket_bytes=bucket_bytes)
+        eplb = time.perf_counter() - t0
+        assert not replanned.cached and replanned.key != planned.key
+        base = plan(shape, training, rollout, bucket_bytes=bucket_bytes, balance=False)
+        s_lb, r_lb = sender_lower_bound(shape, training, rollout), receiver_lower_bound(shape, training, rollout)
+        minimum = sum(p.minimum_bytes(r) for r in range(world))
+        assert p.total_bytes == base.total_bytes == minimum
+        print(f"| {title} | {cold:.2f} | {1e3 * statistics.median(hits):.3f} | {eplb:.2f} | {p.busiest_sender / GB:.3f} "
+              f"| {s_lb / GB:.3f} | {p.busiest_sender / s_lb:.3f}x | {base.busiest_sender / GB:.3f}, "
+              f"{base.busiest_sender / s_lb:.3f}x | {p.busiest_receiver / GB:.3f} | {r_lb / GB:.3f} "
+              f"| {p.total_bytes / GB:.2f} GB = {minimum / GB:.2f} GB |")
+    print()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +366,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         part1(int(args.bucket_mb * 2**20))
+        part1b(int(args.bucket_mb * 2**20))
     except PlanError as exc:
         print(f"plan error: {exc}")
         raise

@@ -15,12 +15,15 @@ Hooks (README.md beside this file has the details and what each covers):
 - verl 0.6.1 ``vLLMRollout.update_weights`` / ``vLLMAsyncRollout.update_weights``: tells the
   generator which vLLM model it feeds (expert maps, rollout rank, pre-narrowed loading) and
   re-runs vLLM's post-load processing after ``load_weights`` (the recipe's verl 0007).
-- verl 0.9.1: not hooked (see README, "verl 0.9.1"): doctor reports the feature as not
-  applying there.
+- verl 0.9.1: not hooked (see README, "verl 0.9.1"): a checkpoint-engine backend registered
+  through ``custom_backend_module`` is handed Megatron-Bridge's already-gathered export and no
+  expert maps; doctor reports the feature as not applying there.
 
-A plan that fails validation (or any rank that cannot take part) makes every rank fall back to
-the stock path together, with a one-line reason in the log; under ``ASCEND_RL_MOE_RESHARD=on``
-that is an error instead.
+Every fallback is collective (``agreement.py``): a plan that fails validation, a planner
+refusal, an exception while preparing, or plan inputs that differ, on any one rank, make every
+rank fall back to the stock path together, with a one-line WARNING naming the rank and reason;
+under ``ASCEND_RL_MOE_RESHARD=on`` that is an error on every rank instead. Plans are made once
+per layout and expert map (``planner.PlanCache``).
 
 Remove when: verl's Megatron weight export sends each rollout rank only the experts it hosts.
 """
@@ -85,12 +88,13 @@ FEATURE = Feature(
     verified=Verified(
         cpu_runtime="real verl 0.6.1 per_tensor_generator on a real Megatron-Core 0.12.1 MoE model "
                     "(CPU harness, TP2xEP2xETP2 on 4 gloo processes; SequentialMLP and GroupedMLP), "
-                    "stock vs patched; real vLLM 0.13 and 0.23 CPU engines "
+                    "stock vs patched, and with one rank of four refusing (every rank falls back "
+                    "together); real vLLM 0.13 and 0.23 CPU engines "
                     "with a tiny Qwen3-MoE receiving the resharded weights, token- and "
                     "parameter-identical to an engine started on them; verl 0.6.1's real "
                     "vLLMAsyncRollout.update_weights on a real vLLM 0.13 engine",
-        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export) read, "
-               "not hooked",
+        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export) and what its "
+               "workers hand a registered checkpoint-engine backend read, not hooked",
         npu="not run: HCCL all-to-all-v speed, vLLM-Ascend's w13/w2 transposes after wake-up, MC2 "
             "dispatch after an in-place update (README)"),
     stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (vLLM 0.23 engine only)")
@@ -102,8 +106,10 @@ REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the e
 FEATURE.does_not_apply(
     dist="verl", versions=">=0.7",
     why="verl >= 0.7 exports Megatron weights through Megatron-Bridge (MegatronEngine."
-        "get_per_tensor_param -> export_hf_weights) to a separate vLLM server process; the reshard "
-        "is not hooked there (README: verl 0.9.1)")
+        "get_per_tensor_param -> export_hf_weights, experts already gathered over EP); verl 0.9.1 "
+        "hands that export, not the local shards, to a checkpoint-engine backend registered through "
+        "custom_backend_module (only 'delta_sharded' gets the engine) and gives the rollout-side "
+        "engine no expert maps, so the reshard is not hooked there (README: verl 0.9.1)")
 
 
 @FEATURE.wrap("verl.utils.megatron_utils:per_tensor_generator", dist="verl", versions=VERL06, order=50,

@@ -30,7 +30,7 @@ from typing import Iterator, Mapping
 
 from .layout import PROJS, LayoutError, MoEShape, RolloutLayout, TrainingLayout, hf_expert_name, \
     megatron_to_hf, narrow_rows, slice_shape
-from .planner import Plan, PlanError, plan
+from .planner import CACHE, Plan, PlanCache, PlanError
 
 
 def _local_views(local_params: Mapping, shape: MoEShape, training: TrainingLayout, rank: int) -> dict:
@@ -133,28 +133,33 @@ def _deliver(p: Plan, posted: _Posted, me: int, views: dict) -> Iterator[tuple[s
             yield name, tensor
 
 
-def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout,
+@dataclasses.dataclass
+class Prepared:
+    """A reshard ready to run on this rank: the (validated, possibly cached) plan and this
+    rank's expert views. Nothing has been communicated yet; :meth:`stream` runs it (collective:
+    every rank of the plan must stream). ``key`` is the plan's input digest, which the callers
+    compare across ranks before anyone streams."""
+    plan: Plan
+    key: str
+    cached: bool
+    rank: int
+    views: dict
+    dtype: object
+    device: object
+    group: object
+    exchange: object
+
+    def stream(self) -> Iterator[tuple[str, object]]:
+        return _run(self.plan, self.rank, self.views, self.dtype, self.device, self.group, self.exchange)
+
+
+def prepare_reshard(local_params: Mapping, *, shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout,
                     bucket_bytes: int, group=None, rank: int | None = None, ranks_per_node: int = 16,
-                    dtype=None, device=None, exchange=None) -> Iterator[tuple[str, object]]:
-    """Yield, on every rollout rank, ``(hf_expert_name, tensor)`` for exactly the expert slices
-    this rank's vLLM loader keeps (see ``layout.rollout_view``), in layer order, once per
-    hosted copy.
-
-    ``local_params``: this rank's Megatron expert parameters by name with *global* layer
-    numbers (``decoder.layers.{L}.mlp.experts.local_experts.{i}.linear_fc1.weight`` /
-    ``...experts.weight1`` / ``...experts.linear_fc1.weight{i}``). Collective over ``group``
-    (default WORLD): every rank calls it with the same shape and layouts. A layout the planner
-    cannot serve raises PlanError before any communication (the caller falls back).
-
-    Send and receive buffers are allocated on ``device`` (default: the device of the local
-    parameters, which must all be on one; a rank without expert parameters uses the CPU
-    unless ``device`` is given): collective backends other than gloo accept device buffers
-    only, and packing from device parameters into host memory would cross PCIe per slice.
-
-    ``exchange`` replaces the collective (default :func:`all_to_all_exchange`, same contract).
-    With an ``exchange`` and no ``group``, torch.distributed is not consulted at all: ``rank``
-    is required and the world is the rollout layout's, so one process can run every rank of a
-    plan against a loopback (``device_check.run``)."""
+                    dtype=None, device=None, exchange=None, cache: PlanCache | None = None) -> Prepared:
+    """Everything :func:`reshard_experts` does before its first communication: the plan (from
+    ``cache``, default the process's :data:`planner.CACHE`; planned and validated on a miss)
+    and this rank's views. Raises PlanError (one-line reason) for a layout the planner refuses,
+    a plan that fails validation, or local parameters that do not match the layout."""
     import torch
     import torch.distributed as dist
     if dtype is None:
@@ -178,7 +183,9 @@ def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: Trainin
         me = dist.get_rank(group) if rank is None else rank
     if world != rollout.world_size():
         raise PlanError(f"group has {world} ranks, the rollout layout {rollout.world_size()}")
-    the_plan = plan(shape, training, rollout, bucket_bytes=bucket_bytes, ranks_per_node=ranks_per_node)
+    planned = (CACHE if cache is None else cache).get(shape, training, rollout, bucket_bytes=bucket_bytes,
+                                                       ranks_per_node=ranks_per_node)
+    the_plan = planned.checked()
     try:
         views = _local_views(local_params, shape, the_plan.training, me)
     except LayoutError as exc:
@@ -188,7 +195,36 @@ def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: Trainin
         missing = sorted(owned - set(views))[0]
         raise PlanError(f"rank {me} lacks expert parameters it owns, e.g. layer {missing[0]} expert {missing[1]} "
                         f"{missing[2]}")
-    return _run(the_plan, me, views, dtype, device, group, exchange)
+    return Prepared(the_plan, planned.key, planned.cached, me, views, dtype, device, group, exchange)
+
+
+def reshard_experts(local_params: Mapping, *, shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout,
+                    bucket_bytes: int, group=None, rank: int | None = None, ranks_per_node: int = 16,
+                    dtype=None, device=None, exchange=None, cache: PlanCache | None = None
+                    ) -> Iterator[tuple[str, object]]:
+    """Yield, on every rollout rank, ``(hf_expert_name, tensor)`` for exactly the expert slices
+    this rank's vLLM loader keeps (see ``layout.rollout_view``), in layer order, once per
+    hosted copy.
+
+    ``local_params``: this rank's Megatron expert parameters by name with *global* layer
+    numbers (``decoder.layers.{L}.mlp.experts.local_experts.{i}.linear_fc1.weight`` /
+    ``...experts.weight1`` / ``...experts.linear_fc1.weight{i}``). Collective over ``group``
+    (default WORLD): every rank calls it with the same shape and layouts. A layout the planner
+    cannot serve raises PlanError before any communication (the caller falls back); the plan is
+    made once per input digest and kept in ``cache`` (:func:`prepare_reshard`).
+
+    Send and receive buffers are allocated on ``device`` (default: the device of the local
+    parameters, which must all be on one; a rank without expert parameters uses the CPU
+    unless ``device`` is given): collective backends other than gloo accept device buffers
+    only, and packing from device parameters into host memory would cross PCIe per slice.
+
+    ``exchange`` replaces the collective (default :func:`all_to_all_exchange`, same contract).
+    With an ``exchange`` and no ``group``, torch.distributed is not consulted at all: ``rank``
+    is required and the world is the rollout layout's, so one process can run every rank of a
+    plan against a loopback (``device_check.run``)."""
+    return prepare_reshard(local_params, shape=shape, training=training, rollout=rollout, bucket_bytes=bucket_bytes,
+                           group=group, rank=rank, ranks_per_node=ranks_per_node, dtype=dtype, device=device,
+                           exchange=exchange, cache=cache).stream()
 
 
 def _run(p: Plan, me: int, views: dict, dtype, device, group, exchange=None) -> Iterator[tuple[str, object]]:
@@ -212,4 +248,4 @@ def _no_grad():
     return torch.no_grad()
 
 
-__all__ = ["reshard_experts", "all_to_all_exchange", "PlanError", "PROJS"]
+__all__ = ["reshard_experts", "prepare_reshard", "Prepared", "all_to_all_exchange", "PlanError", "PROJS"]

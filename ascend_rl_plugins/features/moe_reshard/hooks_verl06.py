@@ -10,12 +10,13 @@ known: :func:`update_weights` publishes it (:data:`LIVE`), :func:`generator` rea
 
 The generator, on every rank together:
 
-1. decides, collectively: the model has experts, a vLLM MoE model is live in this process,
-   vLLM's rollout rank equals the global rank (colocated), Megatron's rank coordinates match the
-   layout the planner assumes, and the executor accepts the plan (it raises ``PlanError``
-   before any communication). The decision of every rank is all-gathered: if any rank cannot
-   take part, every rank falls back to the stock generator (one-line reason logged; an error
-   under ``ASCEND_RL_MOE_RESHARD=on``) -- never a partial sync;
+1. decides, collectively (``agreement.py``): the model has experts, a vLLM MoE model is live in
+   this process, vLLM's rollout rank equals the global rank (colocated), Megatron's rank
+   coordinates match the layout the planner assumes, the plan (cached by its input digest) is
+   valid and every rank plans from the same digest. Each step runs under ``agreement.attempt``
+   (any exception becomes a reason) and the votes are all-gathered: if any rank cannot take
+   part, every rank falls back to the stock generator (one-line reason logged; an error under
+   ``ASCEND_RL_MOE_RESHARD=on``) -- never a partial sync, never a rank left waiting;
 2. yields the experts from ``executor.reshard_experts``: whole experts under rollout expert
    parallelism (through vLLM's own loader, which places them by its expert map); without
    expert parallelism the executor delivers the rank's narrow, which is written straight into
@@ -231,23 +232,20 @@ def _setup(actor_module, transformer_config) -> Setup:
 
 
 def _agree(setup: Setup) -> Setup:
-    """All ranks decide together: the expert maps of every rollout rank are gathered, and any
-    rank's reason makes every rank fall back."""
-    import torch.distributed as dist
-
+    """All ranks decide together (``agreement.decide``): the expert maps of every rollout rank
+    are gathered, and any rank's reason makes every rank fall back."""
+    from . import agreement
     from .layout import RolloutLayout
-    world = dist.get_world_size()
-    mine = {"reason": setup.reason, "rollout": setup.rollout}
-    every: list = [None] * world
-    dist.all_gather_object(every, mine)
-    reasons = [f"rank {r}: {e['reason']}" for r, e in enumerate(every) if e["reason"]]
-    if reasons:
-        return Setup(reasons[0] + (f" (and {len(reasons) - 1} more ranks)" if len(reasons) > 1 else ""))
+    outcome = agreement.decide(agreement.Vote(setup.reason, payload=setup.rollout))
+    if outcome.reason:
+        return Setup(outcome.reason)
+    every = [v.payload for v in outcome.votes]
     hosted, ep, tp, dp = setup.rollout
-    if any(e["rollout"][1:] != (ep, tp, dp) for e in every):
+    if any(e[1:] != (ep, tp, dp) for e in every):
         return Setup("rollout ranks disagree on expert parallelism or tp/dp")
-    setup.rollout = (RolloutLayout.from_expert_maps(tp, dp, [e["rollout"][0] for e in every]) if ep
-                     else RolloutLayout(tp, dp, False))
+    layout, why = agreement.attempt("rollout layout", lambda: RolloutLayout.from_expert_maps(tp, dp, [e[0] for e in every])
+                                    if ep else RolloutLayout(tp, dp, False))
+    setup.rollout, setup.reason = layout, why    # the same on every rank: built from gathered data
     return setup
 
 
@@ -269,31 +267,27 @@ def generator(wrapped, args, kwargs) -> Iterator[tuple[str, Any]]:
 
 
 def _generate(wrapped, a: dict) -> Iterator[tuple[str, Any]]:
-    import torch.distributed as dist
-
-    from . import bucket_bytes, vllm_side
-    from .planner import PlanError
+    from . import agreement, bucket_bytes, vllm_side
+    from .executor import prepare_reshard
 
     actor_module, cfg = a["actor_module"], a["transformer_config"]
-    setup = _agree(_setup(actor_module, cfg))
-    stream, error = None, ""
+    # every step before the first exchange runs under attempt(): a rank that fails votes, it
+    # never leaves the others waiting in decide() (a deadlock) or takes another path (a partial sync)
+    setup, why = agreement.attempt("setup", _setup, actor_module, cfg)
+    setup = _agree(setup if setup is not None else Setup(why))
+    prepared = None
     if not setup.reason:
-        from .executor import reshard_experts
-        try:  # planning and validation only: the first communication is the stream's first next()
-            stream = reshard_experts(local_expert_params(actor_module, cfg), shape=setup.shape,
-                                     training=setup.training, rollout=setup.rollout,
-                                     bucket_bytes=bucket_bytes())
-        except PlanError as exc:
-            error = f"plan: {exc}"
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)  # a rank-local refusal makes every rank fall back
-        setup.reason = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), "")
+        prepared, why = agreement.attempt(  # planning (cached) and validation: no communication
+            "plan", lambda: prepare_reshard(local_expert_params(actor_module, cfg), shape=setup.shape,
+                                            training=setup.training, rollout=setup.rollout,
+                                            bucket_bytes=bucket_bytes()))
+        setup.reason = agreement.decide(agreement.Vote(why, prepared.key if prepared else "")).reason
     if setup.reason:
         _fallback(setup.reason)
         yield from wrapped(**a)
         return
     model, layers = LIVE.model, None
-    for name, tensor in stream:  # experts first: no collective of the dense path interleaves a round
+    for name, tensor in prepared.stream():  # experts first: no collective of the dense path interleaves a round
         if setup.narrowed:
             layers = layers or vllm_side.fused_moe_layers(model)
             vllm_side.load_pre_narrowed(model, name, tensor, layers)

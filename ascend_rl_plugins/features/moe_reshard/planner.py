@@ -1,7 +1,9 @@
 """The reshard planner: which rank sends which expert rows to which rank, in which round.
 
 Pure and deterministic (numpy only, no torch, no communication): every rank computes the same
-plan from the same shape and layouts, so the executor needs no metadata exchange.
+plan from the same shape and layouts, so the executor needs no metadata exchange. A plan depends
+on nothing else, so each process keeps the plans it made (``PlanCache``, keyed by
+``plan_key``) and plans again only when an input -- an expert map, after EPLB -- changes.
 
 How it plans (see ``plan``):
 
@@ -11,10 +13,15 @@ How it plans (see ``plan``):
 2. *Units.* Each need is cut at the training ETP shard boundaries; a unit is one piece of one
    need that lies inside one ETP shard, so exactly one set of training ranks (the expert
    data-parallel replicas of that shard) owns it.
-3. *Sources.* The destination itself if it owns the unit (a free local copy); else an owner on
-   the same node (``ranks_per_node``); among those (or all owners) the least loaded so far, ties
-   to the lowest rank. Every unit moves at most once, so the bytes received equal the minimum
-   for the layout by construction (``validate`` and the property tests check it independently).
+3. *Sources.* The destination itself if it owns the unit (a free local copy); else one of the
+   unit's owners (the expert data-parallel replicas of its shard). Every unit moves at most
+   once, so the bytes received equal the minimum for the layout whichever owner sends
+   (``validate`` and the property tests check it independently); the choice only spreads the
+   sending. Each owner group gets a cap (the busiest member under a longest-first greedy
+   assignment of the group's wire units: optimal for units of one size) and a unit goes to the
+   least loaded owner on the destination's node (``ranks_per_node``) under the cap, else the
+   least loaded owner under the cap, else the least loaded; ties to the lowest rank. The
+   busiest sender is reported against ``sender_lower_bound``.
 4. *Rounds.* Layer by layer, each need (all its units together) goes into the first round, at or
    after the last round opened so far, where every sender's send bytes and the receiver's
    receive bytes stay within ``bucket_bytes``; a rank with nothing yet in a round accepts one
@@ -29,6 +36,7 @@ Memory: the executor keeps at most two rounds in flight (send + receive buffers 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,6 +94,7 @@ class Plan:
     rounds: tuple[Round, ...]
     _sent: np.ndarray = field(repr=False, compare=False)      # [rounds, world] wire bytes sent
     _recv: np.ndarray = field(repr=False, compare=False)      # [rounds, world] wire bytes received
+    _caps: dict = field(repr=False, compare=False, default_factory=dict)  # owner group -> sender cap
 
     # -- accounting ----------------------------------------------------------------------------
     def bytes_received(self, rank: int) -> int:
@@ -101,6 +110,20 @@ class Plan:
     def round_bytes(self, rank: int) -> list[tuple[int, int]]:
         """``(sent, received)`` wire bytes of ``rank`` per round."""
         return [(int(s), int(r)) for s, r in zip(self._sent[:, rank], self._recv[:, rank])]
+
+    @property
+    def busiest_sender(self) -> int:
+        """Wire bytes sent by the rank that sends the most (over all rounds)."""
+        return int(self._sent.sum(axis=0).max()) if len(self.rounds) else 0
+
+    @property
+    def busiest_receiver(self) -> int:
+        """Wire bytes received by the rank that receives the most (over all rounds)."""
+        return int(self._recv.sum(axis=0).max()) if len(self.rounds) else 0
+
+    def sender_cap(self, owners: tuple[int, ...]) -> int:
+        """The load cap the planner gave the owner group ``owners`` (0: it sends nothing)."""
+        return self._caps.get(tuple(owners), 0)
 
     def minimum_bytes(self, rank: int) -> int:
         """Bytes rollout ``rank`` must receive in any reshard: every needed row it does not
@@ -223,6 +246,34 @@ def minimum_bytes(shape: MoEShape, training: TrainingLayout, rollout: RolloutLay
     return total_rows * shape.row_bytes()
 
 
+def receiver_lower_bound(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout) -> int:
+    """No reshard can make its busiest receiver take less than this: the largest
+    :func:`minimum_bytes` of any rank (a minimum-total plan's receivers are exactly these)."""
+    return max(minimum_bytes(shape, training, rollout, r) for r in range(rollout.world_size()))
+
+
+def sender_lower_bound(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout) -> int:
+    """No reshard that keeps the total bytes at the minimum can make its busiest sender send less
+    than this: the rows of every training shard needed by a rank outside the shard's owner group
+    must leave that group once, so some owner sends at least ``ceil(W_G / |G|)`` of the group's
+    wire bytes ``W_G`` (even if a unit could be split between owners). Computed from the layouts
+    alone, by interval arithmetic, independent of the planner's units."""
+    world = rollout.world_size()
+    training = _with_world(training, world)
+    n, e_loc = training.shard_rows(shape), training.local_experts(shape)
+    table = training.owner_table(shape)
+    wire: dict[tuple[int, ...], int] = {}
+    for r in range(world):
+        for s, _ in rollout.needed(shape, r):
+            stage = training.stage_of_layer(s.layer, shape.num_layers)
+            for j in range(s.lo // n, -(-s.hi // n)):
+                owners = table[(stage, s.expert // e_loc, j)]
+                rows = min(s.hi, (j + 1) * n) - max(s.lo, j * n)
+                if r not in owners and rows > 0:
+                    wire[owners] = wire.get(owners, 0) + rows * shape.row_bytes()
+    return max((-(-w // len(g)) for g, w in wire.items()), default=0)
+
+
 def _with_world(training: TrainingLayout, world: int) -> TrainingLayout:
     if training.dp is None:
         return training.with_world(world)
@@ -232,9 +283,13 @@ def _with_world(training: TrainingLayout, world: int) -> TrainingLayout:
 
 
 def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, bucket_bytes: int,
-         ranks_per_node: int = 16) -> Plan:
+         ranks_per_node: int = 16, balance: bool = True) -> Plan:
     """Plan the reshard of every expert slice from ``training`` to ``rollout`` (see the module
-    docstring). Raises PlanError with a one-line reason for a layout it cannot serve."""
+    docstring). Raises PlanError with a one-line reason for a layout it cannot serve.
+
+    ``balance=False`` is the earlier source rule (a same-node owner whenever one exists, the
+    least loaded among them), kept as the benchmark's baseline: on layouts with replicated
+    owners it can load one sender far above the others."""
     if bucket_bytes < 1 or ranks_per_node < 1:
         raise PlanError("bucket_bytes and ranks_per_node must be >= 1")
     world = rollout.world_size()
@@ -250,82 +305,100 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
         raise PlanError(str(exc)) from None
     row_bytes = shape.row_bytes()
     node = [r // ranks_per_node for r in range(world)]
-    load = np.zeros(world, dtype=np.int64)            # cumulative bytes sent (source choice)
-    sent_rows: list[np.ndarray] = []                  # per round, per rank
-    recv_rows: list[np.ndarray] = []
-    round_transfers: list[list[int]] = []
-    round_deliveries: list[list[int]] = []
-    transfers: list[Transfer] = []
-    deliveries: list[Delivery] = []
-    cap = bucket_bytes
 
-    needs_by_rank = [rollout.needed(shape, r) for r in range(world)]
     needs_by_layer: dict[int, list[tuple[int, ExpertSlice, int]]] = {layer: [] for layer in shape.expert_layers}
-    for r, needs in enumerate(needs_by_rank):
-        for s, copies in needs:
+    for r in range(world):
+        for s, copies in rollout.needed(shape, r):
             needs_by_layer[s.layer].append((r, s, copies))
 
-    def new_round() -> int:
-        sent_rows.append(np.zeros(world, dtype=np.int64))
-        recv_rows.append(np.zeros(world, dtype=np.int64))
-        round_transfers.append([])
-        round_deliveries.append([])
-        return len(sent_rows) - 1
-
+    # pass 1: every need cut into units (one per training ETP shard it touches), in the order the
+    # rounds are filled: layer by layer, destination-major interleave within a layer (the parcels
+    # of one layer alternate between receivers, so first-fit fills rounds evenly)
+    work: list[tuple[int, ExpertSlice, int, list[_Unit]]] = []
     for layer in shape.expert_layers:
-        start = max(len(sent_rows) - 1, 0)
         stage = stages[layer]
-        # destination-major interleave: the parcels of one layer alternate between receivers,
-        # so first-fit fills rounds evenly instead of one receiver at a time
-        items = sorted(needs_by_layer[layer], key=lambda x: (x[1].expert, PROJS.index(x[1].proj), x[0]))
-        for dst, s, copies in items:
+        for dst, s, copies in sorted(needs_by_layer[layer], key=lambda x: (x[1].expert, PROJS.index(x[1].proj), x[0])):
             units = []
             row = s.lo
             while row < s.hi:
                 j = row // n
                 hi = min(s.hi, (j + 1) * n)
                 owners = owner_table[(stage, s.expert // e_loc, j)]
-                nbytes = (hi - row) * row_bytes
-                if dst in owners:
-                    src = dst
-                else:
-                    near = [o for o in owners if node[o] == node[dst]] or list(owners)
-                    src = min(near, key=lambda o: (load[o], o))
-                    load[src] += nbytes
-                units.append((ExpertSlice(layer, s.expert, s.proj, row, hi), src, nbytes, j * n))
+                units.append(_Unit(ExpertSlice(layer, s.expert, s.proj, row, hi), owners, (hi - row) * row_bytes,
+                                   j * n, dst if dst in owners else -1))
                 row = hi
-            wire = [(src, nb) for _, src, nb, _ in units if src != dst]
-            recv_total = sum(nb for _, nb in wire)
-            send_by_src: dict[int, int] = {}
-            for src, nb in wire:
-                send_by_src[src] = send_by_src.get(src, 0) + nb
-            k = start
-            while True:
-                if k == len(sent_rows):
-                    new_round()
-                if not wire:
-                    break
-                rv = recv_rows[k][dst]
-                ok = rv == 0 or rv + recv_total <= cap
-                if ok:
-                    for src, nb in send_by_src.items():
-                        sv = sent_rows[k][src]
-                        if not (sv == 0 or sv + nb <= cap):
-                            ok = False
-                            break
-                if ok:
-                    break
-                k += 1
-            ids = []
-            for sl, src, nb, shard_lo in units:
-                ids.append(len(transfers))
-                transfers.append(Transfer(sl, src, dst, nb, shard_lo))
-                if src != dst:
-                    sent_rows[k][src] += nb
-                    recv_rows[k][dst] += nb
-            round_transfers[k].extend(ids)
-            round_deliveries[k].append(len(deliveries))
-            deliveries.append(Delivery(s, dst, copies, tuple(ids)))
+            work.append((dst, s, copies, units))
+
+    # pass 2: sources. Any owner keeps the total at the minimum (each unit crosses once), so the
+    # choice only decides how the load spreads: every owner group gets a cap (the makespan of a
+    # longest-first greedy over its wire units), and a unit goes to the least loaded same-node
+    # owner under the cap, else the least loaded owner under the cap, else the least loaded.
+    caps = _sender_caps(u for _, _, _, units in work for u in units if u.src < 0)
+    if not balance:
+        caps = dict.fromkeys(caps, 1 << 62)
+    load = [0] * world
+    for dst, _, _, units in work:
+        for u in units:
+            if u.src >= 0:
+                continue
+            cap = caps[u.owners]
+            fits = [o for o in u.owners if load[o] + u.nbytes <= cap]
+            near = [o for o in fits if node[o] == node[dst]]
+            u.src = min(near or fits or u.owners, key=lambda o: (load[o], o))
+            load[u.src] += u.nbytes
+
+    # pass 3: rounds (module docstring, step 4)
+    sent_rows: list[list[int]] = []                   # per round, per rank (plain lists: scalar
+    recv_rows: list[list[int]] = []                   # access to numpy elements is slow here)
+    round_transfers: list[list[int]] = []
+    round_deliveries: list[list[int]] = []
+    transfers: list[Transfer] = []
+    deliveries: list[Delivery] = []
+    cap = bucket_bytes
+
+    def new_round() -> int:
+        sent_rows.append([0] * world)
+        recv_rows.append([0] * world)
+        round_transfers.append([])
+        round_deliveries.append([])
+        return len(sent_rows) - 1
+
+    layer_now, start = None, 0
+    for dst, s, copies, units in work:
+        if s.layer != layer_now:
+            layer_now, start = s.layer, max(len(sent_rows) - 1, 0)
+        wire = [(u.src, u.nbytes) for u in units if u.src != dst]
+        recv_total = sum(nb for _, nb in wire)
+        send_by_src: dict[int, int] = {}
+        for src, nb in wire:
+            send_by_src[src] = send_by_src.get(src, 0) + nb
+        k = start
+        while True:
+            if k == len(sent_rows):
+                new_round()
+            if not wire:
+                break
+            rv = recv_rows[k][dst]
+            ok = rv == 0 or rv + recv_total <= cap
+            if ok:
+                for src, nb in send_by_src.items():
+                    sv = sent_rows[k][src]
+                    if not (sv == 0 or sv + nb <= cap):
+                        ok = False
+                        break
+            if ok:
+                break
+            k += 1
+        ids = []
+        for u in units:
+            ids.append(len(transfers))
+            transfers.append(Transfer(u.slice, u.src, dst, u.nbytes, u.shard_lo))
+            if u.src != dst:
+                sent_rows[k][u.src] += u.nbytes
+                recv_rows[k][dst] += u.nbytes
+        round_transfers[k].extend(ids)
+        round_deliveries[k].append(len(deliveries))
+        deliveries.append(Delivery(s, dst, copies, tuple(ids)))
 
     def tkey(i: int):
         t = transfers[i]
@@ -339,4 +412,107 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
                    for k, (ts, ds) in enumerate(zip(round_transfers, round_deliveries)))
     empty = np.zeros((0, world), dtype=np.int64)
     return Plan(shape, training, rollout, bucket_bytes, ranks_per_node, world, tuple(transfers), tuple(deliveries),
-                rounds, np.array(sent_rows) if sent_rows else empty, np.array(recv_rows) if recv_rows else empty)
+                rounds, np.array(sent_rows, dtype=np.int64) if sent_rows else empty,
+                np.array(recv_rows, dtype=np.int64) if recv_rows else empty,
+                caps)
+
+
+@dataclass
+class _Unit:
+    """One piece of one need inside one training ETP shard, while planning: ``owners`` are the
+    ranks holding that shard (expert data-parallel replicas); ``src`` is -1 until chosen."""
+    slice: ExpertSlice
+    owners: tuple[int, ...]
+    nbytes: int
+    shard_lo: int
+    src: int
+
+
+def _sender_caps(wire_units) -> dict[tuple[int, ...], int]:
+    """Per owner group, the busiest sender's bytes under a longest-first greedy assignment of the
+    group's wire units to its members (at most the group's average plus its largest unit; for
+    units of one size, ``ceil(units / owners)`` units: optimal)."""
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    for u in wire_units:
+        by_group.setdefault(u.owners, []).append(u.nbytes)
+    caps = {}
+    for owners, sizes in by_group.items():
+        if len(set(sizes)) == 1:
+            caps[owners] = -(-len(sizes) // len(owners)) * sizes[0]
+            continue
+        bins = [0] * len(owners)
+        for nb in sorted(sizes, reverse=True):
+            heapq.heapreplace(bins, bins[0] + nb)
+        caps[owners] = max(bins)
+    return caps
+
+
+# ---------------------------------------------------------------------------------------------
+# plan once: a plan depends only on its inputs, so each process keeps the plans it has made
+
+PLANNER_VERSION = "2"   # part of every key: a plan cached by an older planner is never reused
+
+
+def plan_key(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, bucket_bytes: int,
+             ranks_per_node: int = 16) -> str:
+    """A digest of everything a plan depends on: the two layouts (the rollout's expert maps
+    included), the expert geometry, the bucket and the node size. Built from the frozen
+    dataclasses' reprs, so it is the same in every interpreter; ranks compare it to check they
+    plan from the same inputs."""
+    text = repr((PLANNER_VERSION, shape, training, rollout, int(bucket_bytes), int(ranks_per_node)))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One plan lookup: the validated plan (or the refusal), its key, whether it was cached."""
+    key: str
+    plan: Plan | None
+    refusal: str
+    cached: bool
+
+    def checked(self) -> Plan:
+        """The plan, or PlanError with the refusal's one-line reason."""
+        if self.plan is None:
+            raise PlanError(self.refusal)
+        return self.plan
+
+
+class PlanCache:
+    """The plans (and refusals) this process has made, by :func:`plan_key`, newest kept.
+
+    Why: planning and validating a large layout takes seconds of CPU, but its inputs change only
+    when a layout or an expert map does (EPLB moving experts); every other sync reuses the plan.
+    A new expert map is a new key, so it is planned afresh; ``capacity`` bounds how many old
+    layouts stay (EPLB can alternate between a few)."""
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = capacity
+        self._plans: dict[str, Planned] = {}
+
+    def get(self, shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, bucket_bytes: int,
+            ranks_per_node: int = 16) -> Planned:
+        key = plan_key(shape, training, rollout, bucket_bytes=bucket_bytes, ranks_per_node=ranks_per_node)
+        hit = self._plans.pop(key, None)
+        if hit is not None:
+            self._plans[key] = hit                        # most recently used last
+            return Planned(key, hit.plan, hit.refusal, True)
+        try:
+            made = plan(shape, training, rollout, bucket_bytes=bucket_bytes, ranks_per_node=ranks_per_node)
+            made.validate()
+            entry = Planned(key, made, "", False)
+        except PlanError as exc:
+            entry = Planned(key, None, str(exc), False)
+        self._plans[key] = entry
+        while len(self._plans) > self.capacity:
+            self._plans.pop(next(iter(self._plans)))
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def reset(self) -> None:
+        self._plans.clear()
+
+
+CACHE = PlanCache()

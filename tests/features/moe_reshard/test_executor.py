@@ -133,3 +133,28 @@ def test_round_k_plus_1_is_in_flight_while_round_k_is_yielded(monkeypatch):
     assert [e[0] for e in events[:first_yield]] == ["post", "post", "wait"]   # round 1 posted before round 0 is yielded
     for k in range(len(posts) - 1):
         assert events.index(("post", k + 1)) < events.index(("wait", k))
+
+
+def test_the_executor_plans_once_per_layout_and_refuses_a_plan_that_fails_validation(monkeypatch):
+    """``prepare_reshard`` takes the plan from the process's cache: the second sync of the same
+    layout does not plan; a plan that fails validation is a PlanError before any communication."""
+    require_installed("torch", "megatron-core")
+    import torch
+
+    from ascend_rl_plugins.features.moe_reshard import planner
+    from ascend_rl_plugins.features.moe_reshard.executor import prepare_reshard
+    from ascend_rl_plugins.features.moe_reshard.layout import MoEShape, RolloutLayout, TrainingLayout, hf_expert_name, \
+        hf_to_megatron
+
+    shape = MoEShape(num_layers=2, num_experts=2, hidden=4, ffn_hidden=4, dtype_bytes=4)
+    training, rollout = TrainingLayout(tp=1, ep=2, expert_impl="grouped"), RolloutLayout.from_expert_maps(1, 2, [[1], [0]])
+    hf = {hf_expert_name(l, e, p): torch.ones(4, 4) for l in range(2) for e in range(2)
+          for p in ("gate_proj", "up_proj", "down_proj")}
+    local = hf_to_megatron(hf, shape, training.with_world(2), 0)
+    cache = planner.PlanCache()
+    kwargs = dict(shape=shape, training=training, rollout=rollout, bucket_bytes=1 << 20, rank=0, cache=cache)
+    first, second = prepare_reshard(local, **kwargs), prepare_reshard(local, **kwargs)
+    assert not first.cached and second.cached and second.plan is first.plan and second.key == first.key
+    monkeypatch.setattr(planner.Plan, "validate", lambda self: (_ for _ in ()).throw(planner.PlanError("lost a round")))
+    with pytest.raises(planner.PlanError, match="lost a round"):
+        prepare_reshard(local, **{**kwargs, "cache": planner.PlanCache()})

@@ -1,7 +1,8 @@
 """moe_reshard planner properties (hypothesis), checked by brute force independent of the
 planner's own bookkeeping: every needed row delivered exactly once per destination, only from
 a rank that holds it, wire bytes equal to the minimum for the layout, per-round caps, layer
-order, closest-owner choice, the same plan on every rank (and in another interpreter), and
+order, the busiest sender and receiver against their lower bounds (same-node owners
+preferred up to the balance cap), the same plan on every rank (and in another interpreter), and
 layouts the seed's scheme cannot serve (rollout EP not a multiple of training EP, experts not
 divisible by the rollout EP, ETP > 1, PP with uneven stages, redundant experts)."""
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ascend_rl_plugins.features.moe_reshard.layout import PROJS, MoEShape, RolloutLayout, TrainingLayout
-from ascend_rl_plugins.features.moe_reshard.planner import PlanError, plan
+from ascend_rl_plugins.features.moe_reshard.planner import PlanError, plan, receiver_lower_bound, sender_lower_bound
 
 
 @st.composite
@@ -124,12 +125,22 @@ def test_plan_delivers_every_needed_row_once_at_the_minimum_within_the_caps(case
              for rd in p.rounds if rd.deliveries]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
-    # closest owner: a same-node holder is used whenever one exists
+    # balance: total at the minimum (above) and the busiest sender between its lower bound and
+    # that bound plus one unit; busiest receiver at its bound; a unit crosses nodes only when
+    # every same-node holder was at its owner group's cap
+    sent = [p.bytes_sent(r) for r in range(world)]
+    wire_units = [tr.nbytes for tr in p.transfers if tr.src != tr.dst]
+    bound = sender_lower_bound(shape, training, rollout)
+    assert bound <= p.busiest_sender <= bound + max(wire_units, default=0)
+    assert p.busiest_receiver == receiver_lower_bound(shape, training, rollout)
     for tr in p.transfers:
         if tr.src != tr.dst:
             rows = {(tr.slice.layer, tr.slice.expert, tr.slice.proj, i) for i in range(tr.slice.lo, tr.slice.hi)}
-            near = [o for o in range(world) if o // per_node == tr.dst // per_node and rows <= held[o]]
-            assert not near or tr.src // per_node == tr.dst // per_node
+            holders = tuple(o for o in range(world) if rows <= held[o])
+            assert sent[tr.src] <= p.sender_cap(holders) or len(set(wire_units)) > 1
+            if tr.src // per_node != tr.dst // per_node:
+                near = [o for o in holders if o // per_node == tr.dst // per_node]
+                assert all(sent[o] + tr.nbytes > p.sender_cap(holders) for o in near)
 
     # peak: two rounds in flight <= 4 buckets (a lone oversized parcel counts as its own bucket)
     biggest = max([d.slice.rows * row_bytes for d in p.deliveries] + [bucket])
@@ -167,6 +178,85 @@ def test_the_same_plan_in_another_interpreter():
     there = run_scenario("tests.features.moe_reshard.planner_scenario", "digest_of_a_pipelined_round_robin_plan",
                          env={"PYTHONHASHSEED": "12345"})
     assert there == here
+    key_here = planner_scenario.key_of_a_pipelined_round_robin_layout()
+    key_there = run_scenario("tests.features.moe_reshard.planner_scenario", "key_of_a_pipelined_round_robin_layout",
+                             env={"PYTHONHASHSEED": "54321"})
+    assert key_there == key_here
+
+
+# -- plan once ------------------------------------------------------------------------------------
+
+def _replicated():
+    """Training TP2 x EP2 on 8 ranks: every expert shard has 2 expert-DP owners; rollout EP8."""
+    return (MoEShape(num_layers=4, num_experts=8, hidden=4, ffn_hidden=8), TrainingLayout(tp=2, ep=2),
+            RolloutLayout.linear(2, 4, 8))
+
+
+def test_a_plan_is_made_once_per_input_digest_and_again_when_an_expert_map_changes(monkeypatch):
+    from ascend_rl_plugins.features.moe_reshard import planner
+    shape, training, rollout = _replicated()
+    made = []
+    real = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: made.append(1) or real(*a, **k))
+    cache = planner.PlanCache(capacity=2)
+    first = cache.get(shape, training, rollout, bucket_bytes=256)
+    again = cache.get(shape, training, rollout, bucket_bytes=256)
+    assert not first.cached and again.cached and again.plan is first.plan and again.key == first.key
+    assert len(made) == 1
+    # EPLB swaps two experts between ranks 0 and 1: a new digest, planned afresh, delivering the new map
+    maps = [list(m) for m in rollout.expert_maps]
+    maps[0][0], maps[1][0] = maps[1][0], maps[0][0]
+    moved = RolloutLayout.from_expert_maps(2, 4, maps)
+    after = cache.get(shape, training, moved, bucket_bytes=256)
+    assert not after.cached and after.key != first.key and len(made) == 2
+    assert {d.slice.expert for d in after.plan.deliveries if d.dst == 0} == set(maps[0])
+    # a refusal is cached too, with its one-line reason
+    bad = RolloutLayout.from_expert_maps(2, 4, [[0]] * 8)
+    refused = cache.get(shape, training, bad, bucket_bytes=256)
+    with pytest.raises(PlanError, match="host 1 of 8 experts"):
+        refused.checked()
+    assert cache.get(shape, training, bad, bucket_bytes=256).cached and len(made) == 3
+    # capacity 2: the oldest (the first layout) was dropped
+    assert not cache.get(shape, training, rollout, bucket_bytes=256).cached
+    # every input is in the key
+    keys = {planner.plan_key(shape, training, rollout, bucket_bytes=256),
+            planner.plan_key(shape, training, rollout, bucket_bytes=257),
+            planner.plan_key(shape, training, rollout, bucket_bytes=256, ranks_per_node=8),
+            planner.plan_key(shape, TrainingLayout(tp=2, ep=2, expert_impl="grouped"), rollout, bucket_bytes=256),
+            planner.plan_key(MoEShape(4, 8, 4, 8, dtype_bytes=4), training, rollout, bucket_bytes=256),
+            planner.plan_key(shape, training, moved, bucket_bytes=256)}
+    assert len(keys) == 6
+
+
+def test_a_plan_that_fails_validation_is_refused_with_its_reason(monkeypatch):
+    from ascend_rl_plugins.features.moe_reshard import planner
+    shape, training, rollout = _replicated()
+
+    real = planner.plan
+
+    def broken(*args, **kwargs):  # a planner bug: the first round lost
+        p = real(*args, **kwargs)
+        return planner.Plan(p.shape, p.training, p.rollout, p.bucket_bytes, p.ranks_per_node, p.world, p.transfers,
+                            p.deliveries, p.rounds[1:], p._sent[1:], p._recv[1:], p._caps)
+    monkeypatch.setattr(planner, "plan", broken)
+    refused = planner.PlanCache().get(shape, training, rollout, bucket_bytes=256)
+    assert refused.plan is None and "in no round" in refused.refusal
+
+
+def test_replicated_owners_share_the_sending_at_the_lower_bound_with_the_total_at_the_minimum():
+    """Four expert-DP owners of every shard, two nodes: the earlier rule (a same-node owner
+    first) loads one owner per node with its node's needs; balanced, the busiest sender is at
+    the lower bound and the total bytes are unchanged (the minimum)."""
+    shape = MoEShape(num_layers=4, num_experts=8, hidden=4, ffn_hidden=8)
+    training, rollout = TrainingLayout(tp=2, ep=2), RolloutLayout.linear(4, 4, 8)   # 16 ranks, edp 4
+    balanced = plan(shape, training, rollout, bucket_bytes=256, ranks_per_node=8)
+    nearest = plan(shape, training, rollout, bucket_bytes=256, ranks_per_node=8, balance=False)
+    balanced.validate()
+    nearest.validate()
+    bound = sender_lower_bound(shape, training, rollout)
+    assert balanced.busiest_sender == bound < nearest.busiest_sender
+    assert balanced.total_bytes == nearest.total_bytes == sum(balanced.minimum_bytes(r) for r in range(16))
+    assert balanced.busiest_receiver == receiver_lower_bound(shape, training, rollout)
 
 
 def test_oversized_slice_travels_alone():

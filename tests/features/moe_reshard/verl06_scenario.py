@@ -303,3 +303,125 @@ def hybrid_engine_chain(workdir: str) -> dict:
         out["different"] = sorted(n for n in stock_state if not torch.equal(stock_state[n], patched_state[n]))
         out["params"] = len(stock_state)
         return out
+
+
+# -- one rank refuses, the others could go ahead -----------------------------------------------
+
+REFUSALS = ("validation", "planner", "exception", "setup_exception", "digest")
+
+
+def _refuse_on_one_rank(case: str, rank: int, stack):
+    """Make exactly one rank (``REFUSING[case]``) refuse, for the reason ``case`` names; the
+    others see nothing wrong. Fault injection on the real modules, undone by ``stack``."""
+    import os
+
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.moe_reshard import hooks_verl06, planner
+
+    if rank != REFUSING[case]:
+        return
+
+    def patch(obj, name, value):
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        stack.callback(setattr, obj, name, old)
+
+    if case == "validation":      # the plan this rank made fails its own check
+        def validate(self):
+            raise planner.PlanError(f"rank {rank} receives 1 bytes, minimum 0 (injected)")
+        patch(planner.Plan, "validate", validate)
+    elif case == "planner":       # the planner refuses this rank's inputs
+        def refuse(*args, **kwargs):
+            raise planner.PlanError("moe ffn hidden 8 is not divisible by etp 3 (injected)")
+        patch(planner, "plan", refuse)
+    elif case == "exception":     # something unexpected raises while this rank prepares its plan
+        def broken(*args, **kwargs):
+            raise RuntimeError("expert parameters unreadable (injected)")
+        patch(hooks_verl06, "local_expert_params", broken)
+    elif case == "setup_exception":  # ... or while it reads its layouts
+        def broken_setup(*args, **kwargs):
+            raise KeyError("num_moe_experts (injected)")
+        patch(hooks_verl06, "_setup", broken_setup)
+    elif case == "digest":        # a flag set differently on this rank: another plan
+        os.environ["ASCEND_RL_MOE_RESHARD_BUCKET_MB"] = "1"
+        flags.reset_cache()
+        stack.callback(flags.reset_cache)
+        stack.callback(os.environ.pop, "ASCEND_RL_MOE_RESHARD_BUCKET_MB")
+
+
+REFUSING = {"validation": 1, "planner": 2, "exception": 3, "setup_exception": 0, "digest": 1}
+
+
+def one_rank_refuses(tp: int = 1) -> dict:
+    """For each case of :data:`REFUSALS`, exactly one rank refuses while the others could
+    reshard (the rollout layout is declared on every rank). Returns, per case, whether this
+    rank's sync equals stock's (names and tensors: every rank took the stock path, none
+    resharded, nothing is missing) and the log lines it wrote. A rank that kept its refusal to
+    itself would leave the others waiting in an all-to-all (the group's timeout) or yield a
+    partial set of experts (compared here)."""
+    import contextlib
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.support.megatron import megatron_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with megatron_model(tp=tp, ep=world // tp, moe="sequential", layers=2, experts=4) as h:
+        import verl.utils.megatron_utils as mu
+        from verl.models.mcore.weight_converter import McoreToHFWeightConverterQwen3Moe
+
+        import ascend_rl_plugins
+        from ascend_rl_plugins.features.moe_reshard import hooks_verl06, planner
+        from ascend_rl_plugins.features.moe_reshard.layout import RolloutLayout
+        from ascend_rl_plugins.patching import fallback
+
+        hf = _hf_config(h.arch)
+        args = ([TESpecNames(h.model)], hf, McoreToHFWeightConverterQwen3Moe(hf, h.config), h.config,
+                {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."})
+        stock = _collect(mu.per_tensor_generator(*args))
+        ascend_rl_plugins.activate()
+        records: list = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append((record.levelname, record.getMessage()))
+
+        logging.getLogger("ascend_rl_plugins").addHandler(Keep())
+        rollout = RolloutLayout.round_robin(tp=1, dp=world, num_experts=h.arch.experts)
+        out: dict = {"rank": rank}
+
+        def sync() -> dict:
+            got = _collect(mu.per_tensor_generator(*args))
+            return {"equals_stock": [n for n, _ in got] == [n for n, _ in stock] and all(
+                torch.equal(a[1], b[1]) for a, b in zip(got, stock)), "tensors": len(got)}
+
+        with hooks_verl06.declare_rollout(rollout):
+            planner.CACHE.reset()
+            out["healthy"] = sync()            # nobody refuses: the reshard runs (fewer tensors)
+            for case in REFUSALS:
+                records.clear()
+                fallback.forget()
+                planner.CACHE.reset()
+                with contextlib.ExitStack() as stack:
+                    _refuse_on_one_rank(case, rank, stack)
+                    result = sync()
+                result["log"] = [f"{level} {m}" for level, m in records if "moe_reshard" in m]
+                out[case] = result
+            records.clear()
+            planner.CACHE.reset()
+            out["after"] = sync()              # the group is still usable and the reshard runs again
+        # EPLB moved experts since the last sync (verl #7086: a sync planned from the old map
+        # leaves stale experts in the moved slots): the map read at this sync is a new plan key,
+        # so the plan is made afresh and each rank receives exactly what it hosts now
+        moved = RolloutLayout.from_expert_maps(1, world, [[(r + 1) % world] for r in range(world)])
+        with hooks_verl06.declare_rollout(moved):
+            got = _collect(mu.per_tensor_generator(*args))
+        stock_by_name = dict(stock)
+        experts = [(n, t) for n, t in got if ".mlp.experts." in n]
+        out["moved"] = {"hosted": list(moved.expert_maps[rank]), "expert_ids": sorted({int(n.split(".")[5]) for n, _ in experts}),
+                        "names": len(experts), "equal_stock": all(torch.equal(t, stock_by_name[n]) for n, t in experts),
+                        "plans_cached": len(planner.CACHE)}
+        out["stock_tensors"] = len(stock)
+    return out
