@@ -32,16 +32,22 @@ separately (~0.1-0.35 us each): ``_ingest_step`` takes new tokens laid out flat,
 runner's token matrix and also settles the previous drafts and caps the new ones.
 
 Which occurrence is drafted from: FIRST (earliest end position) is kept for every state;
-LAST (most recent end position) is kept exact for every state whose shortest string is at
-most ``recent_len`` tokens long -- exactly the states a draft consults. Each member tracks
-the state holding its last ``recent_len`` tokens (O(1) per token) and refreshes LAST on
-that state's <= recent_len + 1 suffix-link ancestors, so the bookkeeping per token is
-bounded however long the repeats are (the recipe's drafter walked every suffix link). The
-draft continues the most recent earlier occurrence of the last min(L, recent_len) tokens, L
+LAST (the most recent end position *that has a continuation*, -1: none yet) is kept exact
+for every state whose shortest string is at most ``recent_len`` tokens long -- exactly the
+states a draft consults. An end position gains its continuation when its member appends
+its next token; each member tracks the state holding its last ``recent_len`` tokens (O(1)
+per token) and, on appending, records its previous end as LAST on that state's <=
+recent_len + 1 suffix-link ancestors, so the bookkeeping per token is bounded however long
+the repeats are (the recipe's drafter walked every suffix link). The draft continues the
+most recent earlier occurrence with a continuation of the last min(L, recent_len) tokens, L
 being the longest earlier-occurring suffix; with the default recent_len (32) that is the
-most recent occurrence of the longest match in all but long verbatim copies. (Small
-recent_len values predict better token by token but worse in a speculative replay: see
-``benchmarks/bench_sam.py``.) Appending is amortized O(1) (the classic SAM bound),
+most recent occurrence of the longest match in all but long verbatim copies. An
+occurrence without a continuation is a sibling's current end (a sibling level with this
+member, e.g. GRPO siblings decoded in lockstep) or a finished sibling's last token; when
+every occurrence of that string is such an end, the longest shorter suffix that has a
+continued occurrence is drafted from (its length then bounds the draft where the
+confidence cap is on). (Small recent_len values predict better token by token but worse in
+a speculative replay: see ``benchmarks/bench_sam.py``.) Appending is amortized O(1) (the classic SAM bound),
 drafting O(k). When the source occurrence overlaps the end of the member's own text (a
 loop), the draft continues periodically.
 """
@@ -356,7 +362,7 @@ def _extend(S, E, H, meta, a, last, c, pos, need):
         clone = _split(S, E, H, meta, a, last, q, c, S[last, LEN] + 1)
         return clone, clone
 
-    cur = _new_state(S, meta, a, S[last, LEN] + 1, 0, pos, pos)
+    cur = _new_state(S, meta, a, S[last, LEN] + 1, 0, pos, -1)
     p = last
     while p != -1:
         h = _find(S, E, H, p, c)
@@ -467,6 +473,16 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         vlen = members[m, B_SHORTLEN]
         while S[sh, LINK] >= 0 and S[S[sh, LINK], LEN] >= vlen:
             sh = np.int64(S[sh, LINK])
+        # The member's previous end now has a continuation (this token): it becomes the
+        # most recent continued end of every state holding one of its last vlen tokens'
+        # suffixes. (Positions are numbered in insertion order; a sibling's later end may
+        # have been continued first, hence the max.)
+        if ppos >= 0:
+            u = sh
+            while u > 0:
+                if S[u, LAST] < ppos:
+                    S[u, LAST] = ppos
+                u = S[u, LINK]
         v = _target(S, E, _find(S, E, H, sh, c))
         vlen += 1
         if vlen > recent_len:
@@ -476,35 +492,35 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         members[m, B_SHORT] = v
         members[m, B_SHORTLEN] = vlen
         mlen = S[match, LEN]
-        if from_first:
-            src = S[match, FIRST]
-        elif mlen >= recent_len:
-            src = S[v, LAST]  # most recent earlier end of the last recent_len tokens
-        else:
-            src = S[match, LAST]
-        u = v
-        while u > 0:
-            S[u, LAST] = pos
-            u = S[u, LINK]
         if j == end - 1:
             out[i, OUT_MATCH] = mlen
             n = 0
-            if k > 0 and match != 0 and mlen >= min_match:
-                first = T[src, TNEXT]
-                if first < 0:
-                    # the most recent occurrence is the current end of a sibling that
-                    # is level with this member (nothing follows it yet): use the
-                    # first occurrence of the match, which has a continuation
+            if k > 0 and match != 0:
+                if from_first:
+                    bound = mlen
                     first = T[S[match, FIRST], TNEXT]
-                p = first
-                # confidence: a match of length L proposes at most L tokens
-                kk = min(k, mlen) if adaptive else k
-                while n < kk and p >= 0:
-                    out[i, OUT_DRAFT + n] = T[p, TTOKEN]
-                    n += 1
-                    # A match inside the member's own recent text overlaps its end:
-                    # the text is periodic there, so continue from the source again.
-                    p = first if p == pos else T[p, TNEXT]
+                else:
+                    # the most recent earlier occurrence *that has a continuation* of the
+                    # last min(L, recent_len) tokens. An occurrence without one is a
+                    # sibling's (or a finished sibling's) end: a sibling level with this
+                    # member. If no occurrence of that string has one, the longest shorter
+                    # suffix whose occurrences do is used, and bounds the draft.
+                    u = v if mlen >= recent_len else match
+                    bound = mlen
+                    while u > 0 and S[u, LAST] < 0:
+                        u = S[u, LINK]
+                        bound = S[u, LEN]
+                    first = T[S[u, LAST], TNEXT] if u > 0 else -1
+                if bound >= min_match and first >= 0:
+                    p = first
+                    # confidence: a match of length L proposes at most L tokens
+                    kk = min(k, bound) if adaptive else k
+                    while n < kk and p >= 0:
+                        out[i, OUT_DRAFT + n] = T[p, TTOKEN]
+                        n += 1
+                        # A match inside the member's own recent text overlaps its end:
+                        # the text is periodic there, so continue from the source again.
+                        p = first if p == pos else T[p, TNEXT]
             out[i, OUT_N] = n
         j += 1
     return DONE

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
 from ascend_rl_plugins.features.sam.drafter import FINISHED_RECORD, SamDrafter  # noqa: E402
+from tests.features.sam.sam_oracle import BruteForceGroup  # noqa: E402
 
 SETTINGS = settings(max_examples=int(os.environ.get("ARP_TEST_SAM_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -109,6 +110,76 @@ def test_a_sibling_drafts_the_other_siblings_continuation(group):
         assert 1 not in got
         assert len(d.groups) == 3
     assert 2 not in got  # C's prompt differs: never A's group
+
+
+LOCKSTEP_TEXT = [1, 2, 10, 11, 12, 13, 20, 21, 10, 11, 12, 13, 30, 31, 10, 11]  # prompt 1 2
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_level_siblings_in_lockstep_both_draft(group):
+    """Issue 29's reproduction: two siblings with the same text stepped together. The most
+    recent earlier occurrence of sibling B's suffix is A's end, written in the same step,
+    with nothing after it yet; B must draft from the most recent occurrence that has a
+    continuation (its own earlier ``10 11``), as it does with grouping off."""
+    d = SamDrafter(3, group=group)
+    tokens = matrix(LOCKSTEP_TEXT, LOCKSTEP_TEXT)
+    plens = counts(2, 2)
+    for n in range(3, len(LOCKSTEP_TEXT) + 1):
+        got = d.propose_rows(["a", "b"], [0, 1], tokens, counts(n, n), prompt_lens=plens)
+    assert got == {0: [12, 13, 30], 1: [12, 13, 30]}
+
+
+def _sibling_texts(base, edits, n):
+    """``n`` near-identical answers: the base with a few sibling-specific token edits."""
+    texts = [list(base) for _ in range(n)]
+    for who, where, tok in edits:
+        t = texts[who % n]
+        if t:
+            t[where % len(t)] = tok
+    return texts
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39), st.integers(0, 3)), max_size=6),
+       st.integers(2, 4), st.integers(1, 4), st.integers(1, 3), st.booleans(),
+       st.integers(1, 6))
+def test_siblings_stepped_in_lockstep_match_the_oracle(base, edits, n_sib, k, min_match, adaptive,
+                                                       recent_len):
+    """Siblings of one prompt decoded together, as vLLM steps ``n > 1`` children: every step
+    each sibling gets its accepted draft tokens plus one (greedy verification against its own
+    text) and drafts again. Every draft equals the brute force's over the group's texts,
+    fed the same tokens in the same order (batch order within a step)."""
+    prompt = [7, 8]
+    answers = _sibling_texts(base, edits, n_sib)
+    texts = [prompt + a for a in answers]
+    tokens = matrix(*texts)
+    plens = counts(*[len(prompt)] * n_sib)
+    d = SamDrafter(k, group=True, min_match=min_match, adaptive=adaptive, recent_len=recent_len)
+    oracle = BruteForceGroup()
+    for i in range(n_sib):
+        oracle.add_member(i)
+    seen = [0] * n_sib
+    num = [len(prompt) + 1] * n_sib
+    live = list(range(n_sib))
+    while live:
+        drafts, cnt = d.propose_arrays([f"s{i}" for i in live], live, tokens,
+                                       counts(*[num[i] if i in live else 0 for i in range(n_sib)]),
+                                       prompt_lens=plens)
+        for j, i in enumerate(live):
+            want = []
+            for t in texts[i][seen[i]:num[i]]:
+                _, _, want = oracle.append(i, t, k, min_match, recent_len=recent_len,
+                                           adaptive=adaptive)
+            seen[i] = num[i]
+            got = drafts[j, :cnt[j]].tolist()
+            assert got == want, (i, num[i], got, want)
+            truth = texts[i][num[i]:num[i] + k]
+            acc = 0
+            while acc < min(len(got), len(truth)) and got[acc] == truth[acc]:
+                acc += 1
+            num[i] = min(num[i] + acc + 1, len(texts[i]))
+        live = [i for i in live if num[i] < len(texts[i])]
 
 
 def test_a_finished_siblings_text_stays_for_the_group_then_goes_with_the_last_member():
