@@ -62,6 +62,17 @@ RECENT_LEN = flags.define(
     "the longest earlier-occurring suffix; also bounds the per-token bookkeeping to N + 1 "
     "states (the recipe's drafter walked every suffix link).",
     minimum=1, maximum=4096, feature="sam")
+HISTORY_TOKENS = flags.define(
+    "ASCEND_RL_SAM_HISTORY_TOKENS", "int", 0,
+    "History: finished responses are kept by prompt, up to this many tokens in all (4 bytes "
+    "each plus small per-response overhead; least recently used prompt evicted first), and "
+    "seed the automaton of the same prompt's later requests (next epoch's rollouts, a "
+    "sibling that starts after the others finished). 0: off.",
+    minimum=0, maximum=1 << 31, feature="sam")
+HISTORY_PER_PROMPT = flags.define(
+    "ASCEND_RL_SAM_HISTORY_PER_PROMPT", "int", 16,
+    "History: at most this many finished responses kept per prompt (its oldest goes first).",
+    minimum=1, maximum=4096, feature="sam")
 FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
                   flag=ENABLE,
                   replaces="the Qwen3 RL recipe's patches 0002-vllm-feature-enable_sam_decoding, "

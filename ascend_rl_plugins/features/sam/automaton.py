@@ -80,11 +80,11 @@ META_COLS = 15
 # alive, and the state holding its last min(n, recent_len) tokens (with that length)
 B_AID, B_STATE, B_POS, B_NTOK, B_ALIVE, B_SHORT, B_SHORTLEN = 0, 1, 2, 3, 4, 5, 6
 # ... and, for a drafter: tokens seen when its pending draft was made (-1: none), that
-# draft's length, and the draft tokens accepted so far
-B_DEND, B_DLEN, B_ACC = 7, 8, 9
-MEMBER_COLS = 10
-_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0)  # (automaton filled in) alive, no text
-_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0)
+# draft's length, and the draft tokens accepted so far; then its first arena position
+B_DEND, B_DLEN, B_ACC, B_HEAD = 7, 8, 9, 10
+MEMBER_COLS = 11
+_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1)  # (automaton filled in) alive, no text
+_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1)
 
 SMALL_DEGREE = 4
 TOKEN_BITS = 19  # token ids must be < 2**19 (524,288); checked in the kernel
@@ -463,6 +463,8 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         T[pos, TNEXT] = -1
         if ppos >= 0:
             T[ppos, TNEXT] = pos
+        else:
+            members[m, B_HEAD] = pos
         members[m, B_STATE] = new_last
         members[m, B_POS] = pos
         members[m, B_NTOK] += 1
@@ -645,6 +647,19 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     resume[0] = 0
     resume[1] = 0
     return DONE
+
+
+@njit(cache=True)
+def _linked_text(T, head, out):
+    """Follow a member's token list from arena position ``head`` into ``out``; returns the
+    count written."""
+    n = 0
+    p = head
+    while p >= 0 and n < out.shape[0]:
+        out[n] = T[p, TTOKEN]
+        n += 1
+        p = T[p, TNEXT]
+    return n
 
 
 _ENTRY = [None, None]  # compiled entry points of _ingest_step and _rows_step (see _entry)
@@ -1001,6 +1016,16 @@ class AutomatonPool:
         d, n, mlen = self.ingest(np.array([member], np.int64), toks,
                                  np.array([0, toks.size], np.int64), k)
         return d[0, : n[0]].tolist(), int(mlen[0])
+
+    def member_text(self, member: int) -> np.ndarray:
+        """The tokens a live member holds in its automaton, in order (those it counted after
+        its automaton reached the id limit are not stored)."""
+        if not self.members[member, B_ALIVE]:
+            raise ValueError(f"member {member} is not alive")
+        a = int(self.members[member, B_AID])
+        out = np.empty(int(self.members[member, B_NTOK]), np.int32)
+        n = _linked_text(self._rows[a][2], np.int64(self.members[member, B_HEAD]), out)
+        return out[:n]
 
     # -- accounting --------------------------------------------------------------------------
     def automaton_bytes(self, a: int) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 
 from .automaton import (B_ACC, B_DEND, M_ALIVE, T_ACCEPTED, T_DRAFTED, T_MAX_LEN, T_PROPOSALS,
                         T_SIZE, T_VERIFIED, AutomatonPool)
+from .history import ResponseHistory
 
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
 # (a long rollout finishes millions of requests: the record must not grow with them)
@@ -82,12 +83,15 @@ class SamDrafter:
 
     ``k``: draft tokens per step; ``group``: siblings with identical prompts share one
     automaton; ``adaptive``: a match of length L drafts at most L tokens; ``max_model_len``:
-    drafts stop where the scheduler could not verify them. The flags of the ``sam`` feature
-    map one to one onto these arguments (see ``vllm_proposer.build_drafter``)."""
+    drafts stop where the scheduler could not verify them; ``history_tokens`` (0: off) and
+    ``history_per_prompt``: finished responses kept per prompt (see ``history.py``) seed the
+    automaton of that prompt's later requests. The flags of the ``sam`` feature map one to
+    one onto these arguments (see ``vllm_proposer.build_drafter``)."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, history_tokens: int = 0,
+                 history_per_prompt: int = 16):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
@@ -97,6 +101,10 @@ class SamDrafter:
         self.member_of: dict[str, int] = {}
         self.group_of: dict[str, bytes | str] = {}
         self.groups: dict[bytes | str, int] = {}  # group key -> automaton id
+        # finished responses by prompt (None: off); a request's prompt bytes and length
+        self.history = (ResponseHistory(history_tokens, history_per_prompt)
+                        if history_tokens > 0 else None)
+        self._prompt_of: dict[str, tuple[bytes, int]] = {}
         self._tally = np.zeros(T_SIZE, np.int64)
         self.max_model_len = max_model_len
         self._steps = 0
@@ -135,23 +143,44 @@ class SamDrafter:
         if m is not None:
             return m
         key: bytes | str = req_id
-        if self.group and prompt is not None and prompt.size:
-            key = np.ascontiguousarray(prompt, np.int32).tobytes()
+        prompt_key = None
+        if prompt is not None and prompt.size:
+            prompt = np.ascontiguousarray(prompt, np.int32)
+            prompt_key = prompt.tobytes()
+            if self.group:
+                key = prompt_key
+            if self.history is not None:
+                self._prompt_of[req_id] = (prompt_key, int(prompt.size))
         a = self.groups.get(key)
         if a is None:
             a = self.pool.new_automaton()
             self.groups[key] = a
+            if self.history is not None and prompt_key is not None:
+                self._seed(a, prompt, self.history.responses(prompt_key))
         m = self.pool.new_member(a)
         self.member_of[req_id] = m
         self.group_of[req_id] = key
         return m
 
+    def _seed(self, automaton: int, prompt: np.ndarray, responses) -> None:
+        """Put earlier responses to ``prompt`` (each after the prompt, as it was generated)
+        into a new automaton, as finished members: they come before every live request's
+        text, so a live sibling's more recent occurrence is still preferred."""
+        for response in responses:
+            seed = self.pool.new_member(automaton)
+            self.pool.extend_one(seed, np.concatenate([prompt, response]), k=0)
+            self.pool.release_member(seed, keep_text=True)
+
     def release(self, req_id: str) -> None:
-        """Forget a finished/aborted request (its group goes with its last member)."""
+        """Forget a finished/aborted request (its group goes with its last member); with
+        history on, its response is kept for its prompt's later requests."""
         m = self.member_of.pop(req_id, None)
         key = self.group_of.pop(req_id, None)
+        prompt = self._prompt_of.pop(req_id, None)
         if m is None:
             return
+        if prompt is not None:
+            self.history.add(prompt[0], self.pool.member_text(m)[prompt[1]:])
         self._key_ids = []  # the cached batch may hold this member
         record = self._finished_accepted
         record[req_id] = int(self.pool.members[m, B_ACC])
@@ -182,7 +211,7 @@ class SamDrafter:
             m = self.member_of.get(r)
             if m is None:
                 prompt = None
-                if self.group and prompt_lens is not None:
+                if (self.group or self.history is not None) and prompt_lens is not None:
                     prompt = np.asarray(token_ids[rows[i], : int(prompt_lens[rows[i]])])
                 m = self._member_for(r, prompt)
             batch[i, 0] = m
@@ -232,3 +261,7 @@ class SamDrafter:
     def memory_bytes(self) -> int:
         """Every byte the drafter's arrays hold (automata, hash arena, pool tables)."""
         return self.pool.memory_bytes() + self._batch.nbytes + self._tally.nbytes
+
+    def history_bytes(self) -> int:
+        """Bytes the store of finished responses holds (0 when history is off)."""
+        return self.history.memory_bytes() if self.history is not None else 0

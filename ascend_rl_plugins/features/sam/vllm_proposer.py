@@ -32,13 +32,23 @@ def is_sam_config(vllm_config) -> bool:
     return spec is not None and getattr(spec, "model", None) == SAM_MODEL_NAME
 
 
-def build_drafter(vllm_config) -> SamDrafter:
-    from . import ADAPTIVE, BATCH_THRESHOLD, GROUP, MIN_MATCH, RECENT_LEN
+def drafter_settings(vllm_config) -> dict:
+    """``SamDrafter`` keyword arguments from the engine config and the feature's flags."""
+    from . import (ADAPTIVE, BATCH_THRESHOLD, GROUP, HISTORY_PER_PROMPT, HISTORY_TOKENS,
+                   MIN_MATCH, RECENT_LEN)
     spec = vllm_config.speculative_config
-    return SamDrafter(int(spec.num_speculative_tokens), min_match=MIN_MATCH.value,
-                      group=GROUP.value, batch_threshold=BATCH_THRESHOLD.value,
-                      recent_len=RECENT_LEN.value, adaptive=ADAPTIVE.value,
-                      max_model_len=int(vllm_config.model_config.max_model_len))
+    return dict(k=int(spec.num_speculative_tokens), min_match=MIN_MATCH.value,
+                group=GROUP.value, batch_threshold=BATCH_THRESHOLD.value,
+                recent_len=RECENT_LEN.value, adaptive=ADAPTIVE.value,
+                max_model_len=int(vllm_config.model_config.max_model_len),
+                history_tokens=HISTORY_TOKENS.value, history_per_prompt=HISTORY_PER_PROMPT.value)
+
+
+def build_drafter(vllm_config, **overrides) -> SamDrafter:
+    """The drafter the engine's proposer uses (``overrides``: arguments replacing the flags')."""
+    settings = drafter_settings(vllm_config)
+    settings.update(overrides)
+    return SamDrafter(settings.pop("k"), **settings)
 
 
 class _SamProposerMixin:

@@ -180,6 +180,8 @@ def test_siblings_stepped_in_lockstep_match_the_oracle(base, edits, n_sib, k, mi
                 acc += 1
             num[i] = min(num[i] + acc + 1, len(texts[i]))
         live = [i for i in live if num[i] < len(texts[i])]
+    for i in range(n_sib):  # each sibling's text reads back whole from the shared automaton
+        assert d.pool.member_text(d.member_of[f"s{i}"]).tolist() == texts[i][:seen[i]]
 
 
 def test_a_finished_siblings_text_stays_for_the_group_then_goes_with_the_last_member():
@@ -349,3 +351,85 @@ def test_a_step_that_outgrows_the_hash_arena_resumes_where_it_stopped():
         draft, _ = ref.extend_one(ref.new_member(ref.new_automaton()), t[:n], 4)
         assert got.get(row, []) == draft
     assert [int(d.pool.members[d.member_of[r], 3]) for r in "abc"] == [2990, 2995, 3000]
+
+
+# -- history: finished responses kept by prompt across steps ----------------------------------------
+
+HIST_PROMPT = [5, 6, 7]
+HIST_ANSWER = [40, 41, 42, 43, 44, 45, 46, 47]
+
+
+def _one_step_rollout(d: SamDrafter, req_id: str, text, prompt_len: int) -> list:
+    """A request decoded token by token (no draft accepted) to its end, then finished;
+    returns the drafts it got, one per step."""
+    tokens = matrix(text)
+    plens = counts(prompt_len)
+    got = []
+    for n in range(prompt_len + 1, len(text) + 1):
+        d.retain_only([req_id])  # as the proposer does every step
+        got.append(d.propose_rows([req_id], [0], tokens, counts(n), prompt_lens=plens).get(0, []))
+    d.retain_only([])
+    return got
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_a_prompt_seen_in_an_earlier_step_drafts_from_that_steps_responses(group):
+    """Step 1 answers the prompt and finishes (its automaton is freed); in step 2 a request
+    with the same prompt, one token into its answer, drafts step 1's continuation, but only
+    with history on."""
+    text = HIST_PROMPT + HIST_ANSWER
+    for history in (0, 1024):
+        d = SamDrafter(3, group=group, history_tokens=history)
+        _one_step_rollout(d, "step1", text, len(HIST_PROMPT))
+        assert d.pool.live_automata() == 0
+        second = _one_step_rollout(d, "step2", text, len(HIST_PROMPT))
+        if history:
+            assert second[0] == HIST_ANSWER[1:4]
+            assert d.history.counters.seeded == 1 and d.history.responses_kept() == 2
+        else:
+            assert second[0] == []
+            assert d.history is None
+
+
+def test_history_of_another_prompt_changes_nothing():
+    """History on but holding only other prompts' responses (or nothing): every draft and
+    every counter is the same as with history off."""
+    rng = np.random.default_rng(3)
+    texts = [[100 + i] + rng.integers(0, 4, 60).tolist() for i in range(6)]
+    runs = []
+    for history in (0, 1 << 16):
+        d = SamDrafter(4, group=True, history_tokens=history)
+        runs.append(([_one_step_rollout(d, f"r{i}", t, 1) for i, t in enumerate(texts)],
+                     d.stats.as_dict()))
+    assert runs[0] == runs[1]
+
+
+def test_history_is_bounded_and_evicts_the_least_recently_used_prompt():
+    from ascend_rl_plugins.features.sam.history import ResponseHistory
+    h = ResponseHistory(max_tokens=100, per_prompt=2)
+    for i in range(3):
+        h.add(b"p", np.full(10, i, np.int32))
+    assert [int(r[0]) for r in h.responses(b"p")] == [1, 2]  # per prompt: the oldest went
+    h.add(b"q", np.zeros(40, np.int32))
+    h.responses(b"p")  # p used: q is now the least recently used
+    h.add(b"r", np.zeros(45, np.int32))  # 20 + 40 + 45 > 100: q's response goes
+    assert h.tokens <= 100 and h.responses(b"q") == [] and len(h.responses(b"p")) == 2
+    h.add(b"s", np.zeros(101, np.int32))  # longer than the whole budget: not kept
+    assert h.counters.skipped == 1 and h.tokens <= 100
+    big = ResponseHistory(max_tokens=1 << 20, per_prompt=16)
+    for i in range(16):
+        big.add(bytes([i]) * 400, np.zeros(4096, np.int32))
+    per_token = big.memory_bytes() / big.tokens
+    assert 4.0 <= per_token < 4.5, per_token  # int32 tokens plus per-response and per-prompt overhead
+
+
+def test_history_flags_are_refused_by_name_when_out_of_range(monkeypatch):
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.sam import HISTORY_PER_PROMPT, HISTORY_TOKENS
+    for flag, bad in ((HISTORY_TOKENS, "-1"), (HISTORY_PER_PROMPT, "0"), (HISTORY_TOKENS, "many")):
+        monkeypatch.setenv(flag.name, bad)
+        flags._REGISTRY.reset_cache()
+        with pytest.raises(Exception, match=flag.name):
+            flag.value
+        monkeypatch.delenv(flag.name)
+        flags._REGISTRY.reset_cache()
