@@ -48,7 +48,7 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ascend_rl_plugins.features.sam.automaton import T_SIZE, AutomatonPool, compile_step_kernel  # noqa: E402
+from ascend_rl_plugins.features.sam.automaton import AutomatonPool, compile_step_kernel, fresh_tally  # noqa: E402
 from ascend_rl_plugins.features.sam.drafter import SamDrafter  # noqa: E402
 
 CONTEXT_MARKS = (2048, 8192, 32768)
@@ -259,7 +259,7 @@ def sam_kernel_call(streams, k, **cfg):
     mat = token_matrix(streams, k)
     pool = AutomatonPool(**cfg)
     batch = np.array([(pool.new_member(pool.new_automaton()), i) for i in range(len(streams))], np.int64)
-    tally = np.zeros(T_SIZE, np.int64)
+    tally = fresh_tally()
     cached = {}
 
     def call(live, num):

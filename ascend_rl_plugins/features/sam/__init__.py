@@ -73,6 +73,22 @@ HISTORY_PER_PROMPT = flags.define(
     "ASCEND_RL_SAM_HISTORY_PER_PROMPT", "int", 16,
     "History: at most this many finished responses kept per prompt (its oldest goes first).",
     minimum=1, maximum=4096, feature="sam")
+TOKEN_COST = flags.define(
+    "ASCEND_RL_SAM_TOKEN_COST", "float", 0.0,
+    "Draft only what will be accepted: the cost of verifying one draft token in a "
+    "memory-bound decode step, in accepted tokens. A draft token is proposed only while the "
+    "estimated probability that it and every token before it are accepted (learned online "
+    "per matched length, previous outcome and draft position) is at least the step's cost, "
+    "which rises linearly from this value to 1 at ASCEND_RL_SAM_COMPUTE_BOUND_BATCH. "
+    "0: every candidate up to k is drafted. ASCEND_RL_SAM_MIN_MATCH, ASCEND_RL_SAM_ADAPTIVE "
+    "and ASCEND_RL_SAM_BATCH_THRESHOLD still apply first, as overrides.",
+    minimum=0.0, maximum=1.0, feature="sam")
+COMPUTE_BOUND_BATCH = flags.define(
+    "ASCEND_RL_SAM_COMPUTE_BOUND_BATCH", "int", 64,
+    "Batch size (running requests) at which verifying a draft token costs as much as "
+    "generating it (the decode step is compute-bound): the draft-length rule's cost reaches "
+    "1 there and nothing is drafted from it on. Used only with ASCEND_RL_SAM_TOKEN_COST > 0.",
+    minimum=1, maximum=1 << 20, feature="sam")
 FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
                   flag=ENABLE,
                   replaces="the Qwen3 RL recipe's patches 0002-vllm-feature-enable_sam_decoding, "

@@ -82,9 +82,15 @@ B_AID, B_STATE, B_POS, B_NTOK, B_ALIVE, B_SHORT, B_SHORTLEN = 0, 1, 2, 3, 4, 5, 
 # ... and, for a drafter: tokens seen when its pending draft was made (-1: none), that
 # draft's length, and the draft tokens accepted so far; then its first arena position
 B_DEND, B_DLEN, B_ACC, B_HEAD = 7, 8, 9, 10
-MEMBER_COLS = 11
-_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1)  # (automaton filled in) alive, no text
-_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1)
+# ... and the acceptance estimate's: how its previous settled draft fared (P_*), the table
+# cell its pending draft was estimated in, and the candidate token right after that draft's
+# cut (-1: none), which the next step's bonus token settles (one position of exploration)
+# and how many of its leading tokens an older occurrence's continuation agreed with
+B_PREV, B_DCELL, B_NEXTC, B_DAGREE = 11, 12, 13, 14
+MEMBER_COLS = 15
+_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)  # (automaton filled in) alive
+_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)
+P_NONE, P_FULL, P_PARTIAL, P_REJECTED = 0, 1, 2, 3
 
 SMALL_DEGREE = 4
 TOKEN_BITS = 19  # token ids must be < 2**19 (524,288); checked in the kernel
@@ -92,8 +98,11 @@ ID_BITS = 22  # states and listed edges per automaton must be < 2**22 - 1
 MAX_IDS = (1 << ID_BITS) - 2
 _ID_MASK = np.int64((1 << ID_BITS) - 1)
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
-# columns of the kernel's output rows: draft length, match length, then the draft
-OUT_N, OUT_MATCH, OUT_DRAFT = 0, 1, 2
+# columns of the kernel's output rows: draft length, match length, the length L that
+# bounds the draft (the match, or the shorter suffix drafted from), how many leading draft
+# tokens the first occurrence's continuation agrees with (-1: no other occurrence to ask),
+# then the draft
+OUT_N, OUT_MATCH, OUT_BOUND, OUT_AGREE, OUT_DRAFT = 0, 1, 2, 3, 4
 # ingest return codes (>= 0: the automaton whose segments must grow)
 DONE, BAD_TOKEN, DEAD_MEMBER, BAD_OFFSETS = -1, -2, -3, -4
 
@@ -108,9 +117,19 @@ D_RESUME = 13  # 3 slots: member, token, hash slots the automaton's segment must
 D_HTOP = 16  # first free slot at the top of the hash arena
 D_HWASTE = 17  # hash arena slots in holes left by moved or freed segments
 D_SIZE = 18
-# a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts
-T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED = 0, 1, 2, 3, 4
-T_SIZE = 5
+# a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts;
+# T_COST: this step's verification cost of one draft token in accepted tokens, x 1e6 (0:
+# draft all k); then the acceptance table: per (bucket of L, previous outcome, bucket of
+# the draft position, whether an older occurrence corroborates the token) the draft tokens
+# verification reached and those it accepted
+T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED, T_COST = 0, 1, 2, 3, 4, 5
+T_TABLE = 6
+N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 4, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
+N_CORR = 3  # no older occurrence to ask / it agrees up to this token / it disagreed before
+T_SIZE = T_TABLE + 2 * N_LBUCKETS * N_PREV * N_CORR * N_JBUCKETS
+COST_SCALE = 1_000_000
+TABLE_PRIOR = (2, 1)  # (reached, accepted) of a cell never observed: an estimate of 1/2
+TABLE_HALVE_AT = 1 << 14  # a cell's counts are halved there: the estimate follows drift
 
 
 @intrinsic
@@ -418,6 +437,8 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
     caller resumes there."""
     out[i, OUT_N] = 0  # written again at the member's last new token
     out[i, OUT_MATCH] = 0
+    out[i, OUT_BOUND] = 0
+    out[i, OUT_AGREE] = -1
     limit = 1 << TOKEN_BITS
     a = members[m, B_AID]
     S = carray(_i32_at(meta[a, M_SP]), (meta[a, M_SR], S_COLS))
@@ -496,7 +517,10 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         mlen = S[match, LEN]
         if j == end - 1:
             out[i, OUT_MATCH] = mlen
+            out[i, OUT_BOUND] = 0
+            out[i, OUT_AGREE] = -1
             n = 0
+            other = np.int64(-1)  # an older occurrence's continuation, to corroborate
             if k > 0 and match != 0:
                 if from_first:
                     bound = mlen
@@ -513,16 +537,24 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
                         u = S[u, LINK]
                         bound = S[u, LEN]
                     first = T[S[u, LAST], TNEXT] if u > 0 else -1
+                    if u > 0 and S[u, FIRST] != S[u, LAST]:
+                        other = T[S[u, FIRST], TNEXT]
                 if bound >= min_match and first >= 0:
+                    out[i, OUT_BOUND] = bound
                     p = first
                     # confidence: a match of length L proposes at most L tokens
                     kk = min(k, bound) if adaptive else k
+                    agree = -1 if other < 0 else 0
                     while n < kk and p >= 0:
                         out[i, OUT_DRAFT + n] = T[p, TTOKEN]
+                        if other >= 0 and agree == n and T[other, TTOKEN] == T[p, TTOKEN]:
+                            agree += 1
+                            other = T[other, TNEXT] if other != pos else np.int64(-1)
                         n += 1
                         # A match inside the member's own recent text overlaps its end:
                         # the text is periodic there, so continue from the source again.
                         p = first if p == pos else T[p, TNEXT]
+                    out[i, OUT_AGREE] = agree
             out[i, OUT_N] = n
         j += 1
     return DONE
@@ -578,6 +610,85 @@ def _ingest_step(desc, member_ids, tok_flat, tok_off, k):
                          desc[D_HTOP:D_HTOP + 2])
 
 
+@njit(cache=True, inline="always")
+def _log_bucket(x, n_buckets):
+    """0 for x <= 1, 1 for 2, 2 for 3-4, 3 for 5-8, ... capped at n_buckets - 1."""
+    b = 0
+    top = 1
+    while x > top and b < n_buckets - 1:
+        b += 1
+        top *= 2
+    return b
+
+
+@njit(cache=True, inline="always")
+def _table_slot(cell, agree, j):
+    """(reached, accepted) of draft position ``j`` for a draft of ``cell`` (L bucket and
+    previous outcome) whose leading ``agree`` tokens an older occurrence corroborated."""
+    corr = 0 if agree < 0 else (1 if j < agree else 2)
+    return T_TABLE + 2 * ((cell * N_CORR + corr) * N_JBUCKETS + _log_bucket(j + 1, N_JBUCKETS))
+
+
+@njit(cache=True)
+def _observe(tally, cell, agree, j, accepted):
+    """Draft position ``j`` of a draft estimated in ``cell`` was reached by verification."""
+    t = _table_slot(cell, agree, j)
+    tally[t] += 1
+    if accepted:
+        tally[t + 1] += 1
+    if tally[t] >= TABLE_HALVE_AT:
+        tally[t] = tally[t] // 2
+        tally[t + 1] = tally[t + 1] // 2
+
+
+@njit(cache=True)
+def _settle(members, m, tally, token_ids, row, start, end):
+    """The tokens that arrived since member ``m``'s pending draft (``end - start``: the
+    accepted ones plus the bonus) settle it: counters, the member's outcome, the table."""
+    dlen = members[m, B_DLEN]
+    if dlen == 0:
+        # a draft cut to nothing: its first candidate against the token that came instead
+        # (so a request whose drafts stopped paying can win them back)
+        held = token_ids[row, start] == members[m, B_NEXTC]
+        _observe(tally, members[m, B_DCELL], members[m, B_DAGREE], 0, held)
+        members[m, B_PREV] = P_FULL if held else P_REJECTED
+        return
+    acc = min(end - start - 1, dlen)  # the last token is the bonus
+    tally[T_ACCEPTED] += acc
+    members[m, B_ACC] += acc
+    tally[T_VERIFIED] += 1
+    cell = members[m, B_DCELL]
+    agree = members[m, B_DAGREE]
+    for j in range(min(acc + 1, dlen)):
+        _observe(tally, cell, agree, j, j < acc)
+    if acc == dlen and members[m, B_NEXTC] >= 0:
+        # the draft was cut short and held whole: the bonus token says whether the
+        # candidate after the cut would have held too
+        _observe(tally, cell, agree, dlen, token_ids[row, start + dlen] == members[m, B_NEXTC])
+    if acc == dlen:
+        members[m, B_PREV] = P_FULL
+    elif acc > 0:
+        members[m, B_PREV] = P_PARTIAL
+    else:
+        members[m, B_PREV] = P_REJECTED
+
+
+@njit(cache=True)
+def _worth_drafting(tally, cell, agree, n, cost):
+    """How many of ``n`` candidate tokens to draft: while the estimated probability that
+    every token so far is accepted (the product of the cell's per-position acceptance rates)
+    is at least this step's ``cost`` of verifying one more token."""
+    keep = 0
+    prob = 1.0
+    while keep < n:
+        t = _table_slot(cell, agree, keep)
+        prob *= tally[t + 1] / max(tally[t], 1)
+        if prob * COST_SCALE < cost:
+            break
+        keep += 1
+    return keep
+
+
 @njit(cache=True)
 def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     """One decode step of a drafter, read straight from the runner's token matrix.
@@ -602,6 +713,7 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     min_match, recent_len = desc[D_MIN_MATCH], desc[D_RECENT_LEN]
     from_first, adaptive = desc[D_FROM_FIRST] != 0, desc[D_ADAPTIVE] != 0
     max_len = tally[T_MAX_LEN]
+    cost = tally[T_COST]
     need = np.zeros(3, np.int64)
     b = batch.shape[0]
     if out.shape[0] < b or out.shape[1] < OUT_DRAFT + k or k < 0:
@@ -624,26 +736,38 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
             # settle the previous draft once tokens arrived (then it is cleared, so a call
             # resumed after a hash growth does not count it twice)
             if members[m, B_DEND] == start:
-                acc = min(end - start - 1, members[m, B_DLEN])  # the last token is the bonus
-                tally[T_ACCEPTED] += acc
-                members[m, B_ACC] += acc
-                tally[T_VERIFIED] += 1
+                _settle(members, m, tally, token_ids, row, start, end)
             members[m, B_DEND] = -1
         code = _ingest_member(meta, members, HA, htop, m, token_ids[row, :end], start, k,
                               min_match, recent_len, from_first, adaptive, out, i, need, resume)
         if code != DONE:
             return code
         n = out[i, OUT_N]
+        members[m, B_NEXTC] = -1
+        if n > 0:
+            cell = (_log_bucket(out[i, OUT_BOUND], N_LBUCKETS) * N_PREV + members[m, B_PREV])
+            members[m, B_DCELL] = cell
+            members[m, B_DAGREE] = out[i, OUT_AGREE]
+            if cost > 0:
+                keep = _worth_drafting(tally, cell, out[i, OUT_AGREE], n, cost)
+                if keep < n:
+                    members[m, B_NEXTC] = out[i, OUT_DRAFT + keep]
+                    n = keep
+                    out[i, OUT_N] = n
         if max_len > 0 and n > max_len - end - 1:
             # the step schedules the last token plus the draft, and vLLM's scheduler keeps
             # num_computed + scheduled <= max_model_len - 1: at most max_len - end - 1 drafts
             n = max(max_len - end - 1, 0)
             out[i, OUT_N] = n
+            members[m, B_NEXTC] = -1
         if n > 0:
             members[m, B_DEND] = end
             members[m, B_DLEN] = n
             tally[T_PROPOSALS] += 1
             tally[T_DRAFTED] += n
+        elif members[m, B_NEXTC] >= 0:  # cut to nothing by the estimate: settled as a shadow
+            members[m, B_DEND] = end
+            members[m, B_DLEN] = 0
     resume[0] = 0
     resume[1] = 0
     return DONE
@@ -660,6 +784,14 @@ def _linked_text(T, head, out):
         n += 1
         p = T[p, TNEXT]
     return n
+
+
+def fresh_tally() -> np.ndarray:
+    """A drafter's tally: zero counters, no cost, every acceptance-table cell at its prior."""
+    tally = np.zeros(T_SIZE, np.int64)
+    table = tally[T_TABLE:].reshape(-1, 2)
+    table[:, 0], table[:, 1] = TABLE_PRIOR
+    return tally
 
 
 _ENTRY = [None, None]  # compiled entry points of _ingest_step and _rows_step (see _entry)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .automaton import (B_ACC, B_DEND, M_ALIVE, T_ACCEPTED, T_DRAFTED, T_MAX_LEN, T_PROPOSALS,
-                        T_SIZE, T_VERIFIED, AutomatonPool)
+from .automaton import (B_ACC, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST, T_DRAFTED, T_MAX_LEN,
+                        T_PROPOSALS, T_VERIFIED, AutomatonPool, fresh_tally)
 from .history import ResponseHistory
 
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
@@ -78,6 +78,26 @@ class DrafterStats:
         return d
 
 
+def verification_cost(token_cost: float, compute_bound_batch: int, batch_size: int) -> float:
+    """What verifying one more draft token costs this step, in accepted tokens: a draft
+    token is proposed only while the estimated probability that it and every token before
+    it are accepted is at least this.
+
+    Model (not calibrated on an NPU; its shape is a roofline): while a decode step is bound
+    by reading the weights, an extra token in it costs only its own attention, sampling and
+    KV write, ``token_cost`` of an accepted token, whatever the batch: up to half of
+    ``compute_bound_batch`` running requests. From there the step turns compute-bound and a
+    verified token comes to cost what generating it would: the cost rises linearly to 1 at
+    ``compute_bound_batch``, where nothing is drafted any more. With the default 64 the
+    knee is the recipe's fixed threshold (32 requests, chosen on A3), and drafting fades out
+    above it instead of stopping at once. ``token_cost`` 0: every candidate is drafted."""
+    if token_cost <= 0.0:
+        return 0.0
+    knee = compute_bound_batch / 2.0
+    rise = max(0.0, batch_size - knee) / knee
+    return min(1.0, token_cost + (1.0 - token_cost) * rise)
+
+
 class SamDrafter:
     """Drafts for a batch of requests identified by id, given their token rows.
 
@@ -85,13 +105,15 @@ class SamDrafter:
     automaton; ``adaptive``: a match of length L drafts at most L tokens; ``max_model_len``:
     drafts stop where the scheduler could not verify them; ``history_tokens`` (0: off) and
     ``history_per_prompt``: finished responses kept per prompt (see ``history.py``) seed the
-    automaton of that prompt's later requests. The flags of the ``sam`` feature map one to
+    automaton of that prompt's later requests; ``token_cost`` (0: draft all k) and
+    ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`). The flags of the ``sam`` feature map one to
     one onto these arguments (see ``vllm_proposer.build_drafter``)."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
                  max_model_len: int | None = None, history_tokens: int = 0,
-                 history_per_prompt: int = 16):
+                 history_per_prompt: int = 16, token_cost: float = 0.0,
+                 compute_bound_batch: int = 64):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
@@ -105,7 +127,14 @@ class SamDrafter:
         self.history = (ResponseHistory(history_tokens, history_per_prompt)
                         if history_tokens > 0 else None)
         self._prompt_of: dict[str, tuple[bytes, int]] = {}
-        self._tally = np.zeros(T_SIZE, np.int64)
+        self._tally = fresh_tally()
+        if not 0.0 <= token_cost <= 1.0:
+            raise ValueError(f"token_cost must be in [0, 1], got {token_cost}")
+        if compute_bound_batch < 1:
+            raise ValueError(f"compute_bound_batch must be >= 1, got {compute_bound_batch}")
+        self.token_cost = float(token_cost)
+        self.compute_bound_batch = int(compute_bound_batch)
+        self._cost_of: dict[int, int] = {}  # batch size -> T_COST value
         self.max_model_len = max_model_len
         self._steps = 0
         self._inactive_steps = 0
@@ -239,9 +268,18 @@ class SamDrafter:
             self._set_batch(req_ids, rows, token_ids, prompt_lens)
         threshold = self.batch_threshold
         k = self.k
-        if threshold > 0 and (len(rows) if batch_size is None else batch_size) > threshold:
+        size = len(rows) if batch_size is None else batch_size
+        if threshold > 0 and size > threshold:
             self._inactive_steps += 1
             k = 0
+        cost = self._cost_of.get(size)
+        if cost is None:
+            cost = self._cost_of[size] = round(COST_SCALE * verification_cost(
+                self.token_cost, self.compute_bound_batch, size))
+        if cost >= COST_SCALE and k:  # compute-bound: no draft pays for its verification
+            self._inactive_steps += 1
+            k = 0
+        self._tally[T_COST] = cost
         return self.pool.ingest_own_rows(self._batch, token_ids, num_tokens, k, self._tally)
 
     def propose_rows(self, req_ids, rows, token_ids, num_tokens, prompt_lens=None,

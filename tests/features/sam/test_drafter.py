@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("numba")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
+from ascend_rl_plugins.features.sam.automaton import AutomatonPool, fresh_tally  # noqa: E402
 from ascend_rl_plugins.features.sam.drafter import FINISHED_RECORD, SamDrafter  # noqa: E402
 from tests.features.sam.sam_oracle import BruteForceGroup  # noqa: E402
 
@@ -265,7 +265,7 @@ def test_bad_input_is_refused_by_name():
         SamDrafter(0)
     pool = AutomatonPool()
     batch = np.array([[pool.new_member(pool.new_automaton()), 0]])
-    tally = np.zeros(5, np.int64)
+    tally = fresh_tally()
     with pytest.raises(ValueError, match="C-contiguous int64"):
         pool.ingest_rows(batch.astype(np.int32), matrix([1, 2]), counts(2), 2, tally)
     drafts, n = pool.ingest_rows(batch, matrix([1, 2, 1]), counts(3), 2, tally)
