@@ -29,7 +29,22 @@ divided by the batch) at ~2K, ~8K and ~32K tokens of context, both through the p
 context (every array the drafter holds, over all streams, when the last one passes 32K).
 Then the API's cost per call and per request (batches of 1, 8 and 32), memory of one
 automaton vs the seed-style drafter, and sibling groups (GRPO-like) with and without
-group-aware drafting.
+group-aware drafting. (These sections use ``SamDrafter``'s constructor defaults: no
+draft-length rule, no history, no batch threshold -- the drafter's core.)
+
+Last, the peer (``--peer-only`` runs only this): vLLM's ``suffix`` method, its own
+``SuffixDecodingProposer`` with Arctic Inference's suffix tree (built from its sdist by
+``benchmarks/setup_suffix_peer.sh``; skipped with the reason when absent), driven as vLLM's
+runner drives it, against SAM as its proposer drives it (the flags' values: defaults unless
+set; plus the variants in ``SAM_VARIANTS``), in three settings: independent requests (8
+streams of ``--peer-context`` tokens of library code, a 32-token prompt each), the GRPO long
+tail (each near-duplicate group's last sibling decoded after the others finished; only it
+counts), and siblings decoded together (every group's siblings in one batch), at k = 3, 8
+and 24 (suffix's own budget: vLLM sets k to its tree depth, 24, when none is given).
+Reported: accepted tokens per step, share of draft tokens accepted, draft tokens verified
+per step and per accepted token, share of steps with a draft, proposer µs per request
+(median over calls), and SAM ÷ suffix; the history's bytes per stored token and the cost of
+seeding an automaton from it.
 """
 
 from __future__ import annotations
@@ -631,7 +646,10 @@ def near_duplicate_groups(files, tok):
 
 PEER_BUDGETS = (3, 8, 24)
 # SAM configurations compared with the peer: (name, SamDrafter attributes over the flags' values)
-SAM_VARIANTS = [("sam", {}), ("sam+history", {"history_tokens": 1 << 22})]  # 24: suffix's own budget (vLLM sets k = suffix_decoding_max_tree_depth)
+SAM_VARIANTS = [("sam", {}),
+                ("sam, no history", {"history_tokens": 0}),
+                ("sam, previous defaults", {"history_tokens": 0, "token_cost": 0.0,
+                                            "batch_threshold": 32})]  # 24: suffix's own budget (vLLM sets k = suffix_decoding_max_tree_depth)
 
 
 def suffix_peer_path() -> str | None:
@@ -808,6 +826,29 @@ def peer_settings(files, tok, streams: int, context: int, prompt_len: int):
             ("siblings decoded together", together)]
 
 
+def history_seeding_cost(files, tok, responses: int = 16, length: int = 4096) -> tuple[float, float]:
+    """Median µs of the first decode-step call of a request whose prompt has ``responses``
+    kept responses of ``length`` tokens (the group's automaton is seeded in that call), and
+    of the same call with history off."""
+    texts = build_streams(files, tok, responses + 1, length, 0, start=4)
+    prompt = np.array([4001, 4091], np.int32)
+    out = []
+    for history in (1 << 24, 0):
+        times = []
+        for rep in range(5):
+            d = SamDrafter(3, group=True, history_tokens=history)
+            if history:
+                for t in texts[:responses]:
+                    d.history.add(prompt.tobytes(), t)
+            row = np.concatenate([prompt, texts[-1][:1]])[None, :]
+            t0 = time.perf_counter_ns()
+            d.propose_arrays([f"new-{rep}"], [0], row, np.array([row.shape[1]], np.int32),
+                             prompt_lens=np.array([2], np.int32))
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        out.append(float(np.median(times)))
+    return out[0], out[1]
+
+
 def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> None:
     """SAM (each of ``sam_variants``: (name, driver overrides)) against vLLM's suffix method."""
     cls, why = suffix_proposer_class()
@@ -818,6 +859,10 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
     max_len = 1 << 20
     print(f"\n== SAM vs vLLM's suffix method (vllm.v1.spec_decode.suffix_decoding."
           f"SuffixDecodingProposer, Arctic Inference built from its sdist), greedy replay")
+    seeded, plain = history_seeding_cost(files, tok)
+    print(f"history seeding: a new request whose prompt has 16 kept responses of 4,096 tokens: "
+          f"its first call {seeded / 1e3:.2f} ms (automaton seeded) vs {plain / 1e3:.3f} ms with "
+          f"history off")
     for title, waves in settings:
         reqs = [r for w in waves for r in w]
         print(f"\n{title}: {len(reqs)} requests, {sum(len(r.text) for r in reqs)} tokens, "
@@ -826,14 +871,20 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
               "verified / accepted | drafting steps | µs / request | acc/step vs suffix | "
               "verified/accepted vs suffix | µs vs suffix |")
         print("|" + "---|" * 11)
+        kept = []
         for k in PEER_BUDGETS:
             suffix = PeerResult("suffix")
             peer_run(waves, k, SuffixPeerDriver(cls, k, max_len), suffix, max_len)
             rows = [suffix]
             for name, overrides in sam_variants:
                 r = PeerResult(name)
-                peer_run(waves, k, SamPeerDriver(k, max_len, **overrides), r, max_len)
+                driver = SamPeerDriver(k, max_len, **overrides)
+                peer_run(waves, k, driver, r, max_len)
                 rows.append(r)
+                h = driver.drafter.history
+                if h is not None and h.tokens and name == sam_variants[0][0]:
+                    kept.append(f"k={k}: {h.responses_kept()} responses of {h.prompts()} prompts, "
+                                f"{h.tokens} tokens, {h.memory_bytes() / h.tokens:.2f} bytes/token")
             for r in rows:
                 print(f"| {k} | `{r.name}` | {r.per_step:.3f} | {r.share:.1%} | "
                       f"{r.verified_per_step:.2f} | {r.verified_per_accepted:.2f} | "
@@ -841,6 +892,8 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
                       f"{r.per_step / max(suffix.per_step, 1e-9):.2f}× | "
                       f"{r.verified_per_accepted / max(suffix.verified_per_accepted, 1e-9):.2f}× | "
                       f"{r.us_per_request / suffix.us_per_request:.2f}× |")
+        if kept:
+            print(f"history of `{sam_variants[0][0]}` after the run: " + "; ".join(kept))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ D_SIZE = 18
 # verification reached and those it accepted
 T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED, T_COST = 0, 1, 2, 3, 4, 5
 T_TABLE = 6
-N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 4, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
+N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 16, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
 N_CORR = 3  # no older occurrence to ask / it agrees up to this token / it disagreed before
 T_SIZE = T_TABLE + 2 * N_LBUCKETS * N_PREV * N_CORR * N_JBUCKETS
 COST_SCALE = 1_000_000
@@ -641,6 +641,12 @@ def _observe(tally, cell, agree, j, accepted):
         tally[t + 1] = tally[t + 1] // 2
 
 
+@njit(cache=True, inline="always")
+def _remember(members, m, outcome):
+    """B_PREV holds the member's last two outcomes (older * 4 + newer)."""
+    members[m, B_PREV] = (members[m, B_PREV] % 4) * 4 + outcome
+
+
 @njit(cache=True)
 def _settle(members, m, tally, token_ids, row, start, end):
     """The tokens that arrived since member ``m``'s pending draft (``end - start``: the
@@ -651,7 +657,7 @@ def _settle(members, m, tally, token_ids, row, start, end):
         # (so a request whose drafts stopped paying can win them back)
         held = token_ids[row, start] == members[m, B_NEXTC]
         _observe(tally, members[m, B_DCELL], members[m, B_DAGREE], 0, held)
-        members[m, B_PREV] = P_FULL if held else P_REJECTED
+        _remember(members, m, P_FULL if held else P_REJECTED)
         return
     acc = min(end - start - 1, dlen)  # the last token is the bonus
     tally[T_ACCEPTED] += acc
@@ -666,11 +672,11 @@ def _settle(members, m, tally, token_ids, row, start, end):
         # candidate after the cut would have held too
         _observe(tally, cell, agree, dlen, token_ids[row, start + dlen] == members[m, B_NEXTC])
     if acc == dlen:
-        members[m, B_PREV] = P_FULL
+        _remember(members, m, P_FULL)
     elif acc > 0:
-        members[m, B_PREV] = P_PARTIAL
+        _remember(members, m, P_PARTIAL)
     else:
-        members[m, B_PREV] = P_REJECTED
+        _remember(members, m, P_REJECTED)
 
 
 @njit(cache=True)

@@ -433,3 +433,87 @@ def test_history_flags_are_refused_by_name_when_out_of_range(monkeypatch):
             flag.value
         monkeypatch.delenv(flag.name)
         flags._REGISTRY.reset_cache()
+
+
+# -- draft only what will be accepted -------------------------------------------------------------
+
+def test_verification_cost_is_flat_while_memory_bound_then_rises_to_one():
+    from ascend_rl_plugins.features.sam.drafter import verification_cost
+    assert [verification_cost(0.1, 64, b) for b in (1, 16, 32)] == [0.1, 0.1, 0.1]
+    assert verification_cost(0.1, 64, 48) == pytest.approx(0.55)
+    assert verification_cost(0.1, 64, 64) == verification_cost(0.1, 64, 500) == 1.0
+    assert verification_cost(0.0, 64, 500) == 0.0  # off: every candidate is drafted
+
+
+def _feed_one_token_per_step(d: SamDrafter, text, batch_size=None) -> list:
+    tokens = np.array([text], np.int32)
+    return [d.propose_rows(["r"], [0], tokens, counts(n), batch_size=batch_size).get(0, [])
+            for n in range(1, len(text) + 1)]
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=120), st.integers(1, 6), st.integers(1, 3),
+       st.booleans(), st.floats(0.01, 0.9))
+def test_the_estimate_only_shortens_drafts_and_the_confidence_flags_still_apply(
+        text, k, min_match, adaptive, cost):
+    """Fed the same tokens, a drafter with the draft-length rule drafts a prefix of what the
+    same drafter without it drafts (the candidate is the same, only its length is chosen), so
+    min match and the cap act first, as overrides."""
+    plain = _feed_one_token_per_step(SamDrafter(k, min_match=min_match, adaptive=adaptive), text)
+    ruled = _feed_one_token_per_step(
+        SamDrafter(k, min_match=min_match, adaptive=adaptive, token_cost=cost), text)
+    for p, r in zip(plain, ruled):
+        assert r == p[: len(r)]
+
+
+def _greedy_replay(d: SamDrafter, text, batch_size=None) -> list:
+    """Drafts of a request whose every step brings its accepted draft tokens plus one."""
+    tokens = np.array([text], np.int32)
+    n, drafts = 1, []
+    while n < len(text):
+        draft = d.propose_rows(["r"], [0], tokens, counts(n), batch_size=batch_size).get(0, [])
+        drafts.append(draft)
+        a = 0
+        while a < len(draft) and n + a < len(text) and draft[a] == text[n + a]:
+            a += 1
+        n += a + 1
+    return drafts
+
+
+def test_drafts_that_keep_failing_are_cut_and_drafts_that_hold_are_kept_whole():
+    """Text with a period of 5 accepts every draft: drafts stay k long. A text whose repeats
+    never continue alike (each occurrence of a token is followed by a new token) rejects
+    every first draft token: the estimate learns it and stops drafting, while a drafter
+    without the rule keeps drafting."""
+    k = 4
+    periodic = [1, 2, 3, 4, 5] * 60
+    d = SamDrafter(k, token_cost=0.2)
+    drafts = _greedy_replay(d, periodic)
+    assert all(len(x) == k for x in drafts[-30:])
+    rng = np.random.default_rng(0)
+    noisy = [int(t) for t in rng.integers(0, 6, 400)]
+    ruled = SamDrafter(k, token_cost=0.2)
+    plain = SamDrafter(k)
+    tail_ruled = _greedy_replay(ruled, noisy)[-100:]
+    tail_plain = _greedy_replay(plain, noisy)[-100:]
+    assert sum(map(len, tail_ruled)) < sum(map(len, tail_plain)) / 4
+    # the batch size raises the cost: at the compute-bound batch nothing is drafted
+    big = SamDrafter(k, token_cost=0.2, compute_bound_batch=8)
+    assert not any(_greedy_replay(big, periodic, batch_size=8))
+    assert big.stats.inactive_steps == big.stats.steps == len(periodic) - 1
+
+
+def test_draft_length_flags_are_refused_by_name_when_out_of_range(monkeypatch):
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.sam import COMPUTE_BOUND_BATCH, TOKEN_COST
+    for flag, bad in ((TOKEN_COST, "1.5"), (TOKEN_COST, "-0.1"), (COMPUTE_BOUND_BATCH, "0")):
+        monkeypatch.setenv(flag.name, bad)
+        flags._REGISTRY.reset_cache()
+        with pytest.raises(Exception, match=flag.name):
+            flag.value
+        monkeypatch.delenv(flag.name)
+        flags._REGISTRY.reset_cache()
+    with pytest.raises(ValueError, match="token_cost"):
+        SamDrafter(3, token_cost=2.0)
+    with pytest.raises(ValueError, match="compute_bound_batch"):
+        SamDrafter(3, compute_bound_batch=0)
