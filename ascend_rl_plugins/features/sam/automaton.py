@@ -29,7 +29,9 @@ compacted in Python, rarely. A decode step is one jitted call whose arrays are r
 through a descriptor of raw addresses, because numba unboxes each array argument
 separately (~0.1-0.35 us each): ``_ingest_step`` takes new tokens laid out flat,
 ``_rows_step`` (what the request-level drafter calls) reads them straight from the
-runner's token matrix and also settles the previous drafts and caps the new ones.
+runner's token matrix and also settles the previous drafts, learns from them how often a
+draft token is accepted (a small table in the drafter's tally, see ``_worth_drafting``),
+cuts the new drafts where that estimate no longer pays for verification, and caps them.
 
 Which occurrence is drafted from: FIRST (earliest end position) is kept for every state;
 LAST (the most recent end position *that has a continuation*, -1: none yet) is kept exact
@@ -704,7 +706,9 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     ``k`` tokens, capped so that the step's tokens fit ``tally[T_MAX_LEN]`` (0: no cap).
     Before ingesting, the member's previous draft is settled: the tokens that arrived since
     it was made say how many of it were accepted (``tally`` counts proposals, drafted,
-    accepted and verified drafts; ``members[., B_ACC]`` per member).
+    accepted and verified drafts; ``members[., B_ACC]`` per member) and update the
+    acceptance table. With ``tally[T_COST]`` > 0 each new draft is cut where the table's
+    estimate that all its tokens so far are accepted falls below that cost.
 
     Returns DONE, DEAD_MEMBER / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which
     entry), or the automaton whose hash segment must grow (then call again: members already
