@@ -826,7 +826,7 @@ def peer_settings(files, tok, streams: int, context: int, prompt_len: int):
             ("siblings decoded together", together)]
 
 
-def history_seeding_cost(files, tok, responses: int = 16, length: int = 4096) -> tuple[float, float]:
+def history_seeding_cost(files, tok, responses: int, length: int = 4096) -> tuple[float, float]:
     """Median µs of the first decode-step call of a request whose prompt has ``responses``
     kept responses of ``length`` tokens (the group's automaton is seeded in that call), and
     of the same call with history off."""
@@ -836,7 +836,7 @@ def history_seeding_cost(files, tok, responses: int = 16, length: int = 4096) ->
     for history in (1 << 24, 0):
         times = []
         for rep in range(5):
-            d = SamDrafter(3, group=True, history_tokens=history)
+            d = SamDrafter(3, group=True, history_tokens=history, history_per_prompt=responses)
             if history:
                 for t in texts[:responses]:
                     d.history.add(prompt.tobytes(), t)
@@ -859,8 +859,11 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
     max_len = 1 << 20
     print(f"\n== SAM vs vLLM's suffix method (vllm.v1.spec_decode.suffix_decoding."
           f"SuffixDecodingProposer, Arctic Inference built from its sdist), greedy replay")
-    seeded, plain = history_seeding_cost(files, tok)
-    print(f"history seeding: a new request whose prompt has 16 kept responses of 4,096 tokens: "
+    from ascend_rl_plugins.features.sam import HISTORY_PER_PROMPT
+    per_prompt = HISTORY_PER_PROMPT.value
+    seeded, plain = history_seeding_cost(files, tok, per_prompt)
+    print(f"history seeding: a new request whose prompt has {per_prompt} kept responses of 4,096 "
+          f"tokens (ASCEND_RL_SAM_HISTORY_PER_PROMPT): "
           f"its first call {seeded / 1e3:.2f} ms (automaton seeded) vs {plain / 1e3:.3f} ms with "
           f"history off")
     for title, waves in settings:
@@ -889,8 +892,8 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
                 print(f"| {k} | `{r.name}` | {r.per_step:.3f} | {r.share:.1%} | "
                       f"{r.verified_per_step:.2f} | {r.verified_per_accepted:.2f} | "
                       f"{r.drafting_steps / max(r.steps, 1):.0%} | {r.us_per_request:.2f} | "
-                      f"{r.per_step / max(suffix.per_step, 1e-9):.2f}× | "
-                      f"{r.verified_per_accepted / max(suffix.verified_per_accepted, 1e-9):.2f}× | "
+                      f"{r.per_step / max(suffix.per_step, 1e-9):.3f}× | "
+                      f"{r.verified_per_accepted / max(suffix.verified_per_accepted, 1e-9):.3f}× | "
                       f"{r.us_per_request / suffix.us_per_request:.2f}× |")
         if kept:
             print(f"history of `{sam_variants[0][0]}` after the run: " + "; ".join(kept))

@@ -112,7 +112,7 @@ class SamDrafter:
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
                  max_model_len: int | None = None, history_tokens: int = 0,
-                 history_per_prompt: int = 16, token_cost: float = 0.0,
+                 history_per_prompt: int = 8, token_cost: float = 0.0,
                  compute_bound_batch: int = 64):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
