@@ -84,10 +84,11 @@ B_AID, B_STATE, B_POS, B_NTOK, B_ALIVE, B_SHORT, B_SHORTLEN = 0, 1, 2, 3, 4, 5, 
 # ... and, for a drafter: tokens seen when its pending draft was made (-1: none), that
 # draft's length, and the draft tokens accepted so far; then its first arena position
 B_DEND, B_DLEN, B_ACC, B_HEAD = 7, 8, 9, 10
-# ... and the acceptance estimate's: how its previous settled draft fared (P_*), the table
-# cell its pending draft was estimated in, and the candidate token right after that draft's
-# cut (-1: none), which the next step's bonus token settles (one position of exploration)
-# and how many of its leading tokens an older occurrence's continuation agreed with
+# ... and the acceptance estimate's: how its last two settled drafts fared (P_*, older * 4
+# + newer), the table cell its pending draft was estimated in, the candidate token right
+# after that draft's cut (-1: none), which the next step's bonus token settles (one position
+# of exploration), and how many of its leading tokens an older occurrence's continuation
+# agreed with
 B_PREV, B_DCELL, B_NEXTC, B_DAGREE = 11, 12, 13, 14
 MEMBER_COLS = 15
 _FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)  # (automaton filled in) alive
