@@ -29,7 +29,22 @@ divided by the batch) at ~2K, ~8K and ~32K tokens of context, both through the p
 context (every array the drafter holds, over all streams, when the last one passes 32K).
 Then the API's cost per call and per request (batches of 1, 8 and 32), memory of one
 automaton vs the seed-style drafter, and sibling groups (GRPO-like) with and without
-group-aware drafting.
+group-aware drafting. (These sections use ``SamDrafter``'s constructor defaults: no
+draft-length rule, no history, no batch threshold -- the drafter's core.)
+
+Last, the peer (``--peer-only`` runs only this): vLLM's ``suffix`` method, its own
+``SuffixDecodingProposer`` with Arctic Inference's suffix tree (built from its sdist by
+``benchmarks/setup_suffix_peer.sh``; skipped with the reason when absent), driven as vLLM's
+runner drives it, against SAM as its proposer drives it (the flags' values: defaults unless
+set; plus the variants in ``SAM_VARIANTS``), in three settings: independent requests (8
+streams of ``--peer-context`` tokens of library code, a 32-token prompt each), the GRPO long
+tail (each near-duplicate group's last sibling decoded after the others finished; only it
+counts), and siblings decoded together (every group's siblings in one batch), at k = 3, 8
+and 24 (suffix's own budget: vLLM sets k to its tree depth, 24, when none is given).
+Reported: accepted tokens per step, share of draft tokens accepted, draft tokens verified
+per step and per accepted token, share of steps with a draft, proposer µs per request
+(median over calls), and SAM ÷ suffix; the history's bytes per stored token and the cost of
+seeding an automaton from it.
 """
 
 from __future__ import annotations
@@ -48,7 +63,7 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ascend_rl_plugins.features.sam.automaton import T_SIZE, AutomatonPool, compile_step_kernel  # noqa: E402
+from ascend_rl_plugins.features.sam.automaton import AutomatonPool, compile_step_kernel, fresh_tally  # noqa: E402
 from ascend_rl_plugins.features.sam.drafter import SamDrafter  # noqa: E402
 
 CONTEXT_MARKS = (2048, 8192, 32768)
@@ -259,7 +274,7 @@ def sam_kernel_call(streams, k, **cfg):
     mat = token_matrix(streams, k)
     pool = AutomatonPool(**cfg)
     batch = np.array([(pool.new_member(pool.new_automaton()), i) for i in range(len(streams))], np.int64)
-    tally = np.zeros(T_SIZE, np.int64)
+    tally = fresh_tally()
     cached = {}
 
     def call(live, num):
@@ -495,9 +510,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="4 streams of 8K tokens")
     ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="only the comparison with vLLM's suffix method")
+    ap.add_argument("--peer-context", type=int, default=8192,
+                    help="tokens per independent request in the suffix comparison")
     args = ap.parse_args()
     if args.quick:
-        args.streams, args.context = 4, 8192
+        args.streams, args.context, args.peer_context = 4, 8192, 4096
     t_start = time.time()
     files = stdlib_files()
     try:
@@ -509,6 +528,12 @@ def main() -> None:
     print(f"{lscpu_model()}, {os.cpu_count()} cpus; python {platform.python_version()}, numpy "
           f"{np.__version__}, numba {numba.__version__}, {stack}; {len(files)} stdlib files")
     tok = train_tokenizer(files, args.vocab)
+    compile_step_kernel()
+    if args.peer_only:
+        peer_comparison(files, tok, args.streams, args.peer_context, SAM_VARIANTS)
+        print(f"\nmachine check at the end: empty Python call {python_call_ns():.0f} ns, load "
+              f"average {os.getloadavg()[0]:.2f}; total {time.time() - t_start:.0f} s")
+        return
     streams = build_streams(files, tok, args.streams, args.context, args.context // 2)
     MEASURED[0] = args.context
     k = args.k
@@ -563,6 +588,7 @@ def main() -> None:
                 got[grouped] = group_replay(groups, k, grouped, concurrent)
             print(f"{title}: solo {got[False]:.3f} vs group {got[True]:.3f} accepted/step "
                   f"({got[True] / max(got[False], 1e-9):.2f}x)")
+    peer_comparison(files, tok, args.streams, args.peer_context, SAM_VARIANTS)
     print(f"\nmachine check at the end: empty Python call {python_call_ns():.0f} ns, load "
           f"average {os.getloadavg()[0]:.2f}")
     print(f"total {time.time() - t_start:.0f} s")
@@ -614,6 +640,263 @@ def near_duplicate_groups(files, tok):
         ids = [encode(tok, f)[:4096] for f in fs[:4]]
         groups.append(ids)
     return groups
+
+
+# -- the peer: vLLM's `suffix` method (Arctic Inference's SuffixDecoding) ------------------------
+
+PEER_BUDGETS = (3, 8, 24)
+# SAM configurations compared with the peer: (name, SamDrafter attributes over the flags' values)
+SAM_VARIANTS = [("sam", {}),
+                ("sam, no history", {"history_tokens": 0}),
+                ("sam, previous defaults", {"history_tokens": 0, "token_cost": 0.0,
+                                            "batch_threshold": 32})]  # 24: suffix's own budget (vLLM sets k = suffix_decoding_max_tree_depth)
+
+
+def suffix_peer_path() -> str | None:
+    """Where ``benchmarks/setup_suffix_peer.sh`` put the built suffix-decoding extension."""
+    cache = os.environ.get("ASCEND_RL_CACHE", os.path.expanduser("~/.cache/ascend-rl"))
+    found = sorted(glob.glob(os.path.join(cache, "peers", "arctic_inference-*")))
+    return next((p for p in reversed(found) if os.path.exists(os.path.join(p, ".done"))), None)
+
+
+def suffix_proposer_class():
+    """vLLM's own ``SuffixDecodingProposer`` with Arctic Inference importable, or None (why)."""
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401  (installed for real)
+    except ImportError:
+        path = suffix_peer_path()
+        if path is None:
+            return None, "arctic_inference not built: run benchmarks/setup_suffix_peer.sh"
+        sys.path.insert(0, path)
+    try:
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except Exception as exc:  # vLLM < 0.11 has no suffix method
+        return None, f"{type(exc).__name__}: {exc}"
+    return SuffixDecodingProposer, None
+
+
+class PeerBatch:
+    """The fields of vLLM's ``InputBatch`` that the suffix proposer reads, laid out as the
+    runner keeps them: request ``i`` of the step in row ``i`` (rows condensed when requests
+    leave), its tokens in ``token_ids_cpu``, counts in ``num_tokens_no_spec``."""
+
+    def __init__(self, req_ids, token_ids_cpu, num_prompt_tokens):
+        self.req_ids = list(req_ids)
+        self.req_id_to_index = {r: i for i, r in enumerate(self.req_ids)}
+        self.token_ids_cpu = token_ids_cpu
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_tokens_no_spec = np.zeros(len(self.req_ids), np.int32)
+
+
+class PeerRequest:
+    def __init__(self, req_id: str, text: np.ndarray, prompt_len: int, counted: bool):
+        self.req_id, self.text, self.prompt_len, self.counted = req_id, text, prompt_len, counted
+
+
+class SamPeerDriver:
+    """SAM as vLLM's runner drives the proposer (``propose_for``: retain the live requests,
+    draft for the condensed rows), its flags at their values (defaults unless set) but for
+    ``overrides`` (``SamDrafter`` arguments)."""
+
+    name = "sam"
+
+    def __init__(self, k: int, max_model_len: int, **overrides):
+        from ascend_rl_plugins.features.sam.vllm_proposer import build_drafter
+        cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                              model_config=SimpleNamespace(max_model_len=max_model_len))
+        self.drafter = build_drafter(cfg, **overrides)
+
+    def propose(self, batch: PeerBatch, sampled) -> list[list[int]]:
+        d = self.drafter
+        d.retain_only(batch.req_ids)
+        rows = list(range(len(batch.req_ids)))
+        drafts, counts = d.propose_arrays(batch.req_ids, rows, batch.token_ids_cpu,
+                                          batch.num_tokens_no_spec,
+                                          prompt_lens=batch.num_prompt_tokens, batch_size=len(rows))
+        cl = counts.tolist()
+        return [row[:c] for row, c in zip(drafts.tolist(), cl)]
+
+    def memory_bytes(self) -> int:
+        return self.drafter.memory_bytes()
+
+
+class SuffixPeerDriver:
+    """vLLM's ``SuffixDecodingProposer`` with vLLM's defaults for the method (tree depth 24,
+    10,000 cached requests, spec factor 1.0, min token probability 0.1), called as the runner
+    calls it: ``propose(input_batch, sampled_token_ids)`` after every step."""
+
+    name = "suffix"
+
+    def __init__(self, cls, k: int, max_model_len: int):
+        spec = SimpleNamespace(num_speculative_tokens=k, suffix_decoding_max_tree_depth=24,
+                               suffix_decoding_max_cached_requests=10000,
+                               suffix_decoding_max_spec_factor=1.0,
+                               suffix_decoding_min_token_prob=0.1)
+        self.proposer = cls(SimpleNamespace(speculative_config=spec,
+                                            model_config=SimpleNamespace(max_model_len=max_model_len)))
+
+    def propose(self, batch: PeerBatch, sampled) -> list[list[int]]:
+        return self.proposer.propose(batch, sampled)
+
+
+class PeerResult:
+    def __init__(self, name: str):
+        self.name = name
+        self.steps = self.accepted = self.drafted = self.drafting_steps = 0
+        self.us: list[float] = []  # proposer µs per request, one entry per call
+
+    @property
+    def per_step(self) -> float:
+        return self.accepted / max(self.steps, 1)
+
+    @property
+    def share(self) -> float:
+        return self.accepted / max(self.drafted, 1)
+
+    @property
+    def verified_per_step(self) -> float:
+        return self.drafted / max(self.steps, 1)
+
+    @property
+    def verified_per_accepted(self) -> float:
+        return self.drafted / max(self.accepted, 1)
+
+    @property
+    def us_per_request(self) -> float:
+        return float(np.median(self.us)) if self.us else float("nan")
+
+
+def peer_run(waves, k: int, driver, res: PeerResult, max_model_len: int) -> None:
+    """Decode ``waves`` (lists of ``PeerRequest`` that start together; a wave starts when the
+    previous one finished) with greedy verification: every step each live request gets its
+    accepted draft tokens plus one. The first call for a request follows its prefill (one
+    sampled token). Only ``counted`` requests' steps are measured; every call is timed."""
+    for wave in waves:
+        live = list(wave)
+        num = {r.req_id: r.prompt_len + 1 for r in live}
+        sampled = {r.req_id: [int(r.text[r.prompt_len])] for r in live}
+        batch = None
+        while live:
+            if batch is None or batch.req_ids != [r.req_id for r in live]:
+                width = max(len(r.text) for r in live) + k + 1
+                mat = np.zeros((len(live), width), np.int32)
+                for i, r in enumerate(live):
+                    mat[i, : len(r.text)] = r.text  # read only up to the token count
+                batch = PeerBatch([r.req_id for r in live], mat,
+                                  np.array([r.prompt_len for r in live], np.int32))
+            for i, r in enumerate(live):
+                batch.num_tokens_no_spec[i] = num[r.req_id]
+            step_sampled = [sampled[r.req_id] for r in live]
+            t0 = time.perf_counter_ns()
+            drafts = driver.propose(batch, step_sampled)
+            res.us.append((time.perf_counter_ns() - t0) / 1e3 / len(live))
+            for i, r in enumerate(live):
+                p = num[r.req_id]
+                d = list(drafts[i])[: max_model_len]
+                a = accepted_prefix(d, r.text[p:p + len(d)].tolist())
+                if r.counted:
+                    res.steps += 1
+                    res.accepted += a
+                    res.drafted += len(d)
+                    res.drafting_steps += bool(d)
+                n = min(a + 1, len(r.text) - p)
+                sampled[r.req_id] = r.text[p:p + n].tolist()
+                num[r.req_id] = p + n
+            live = [r for r in live if num[r.req_id] < len(r.text)]
+
+
+def peer_settings(files, tok, streams: int, context: int, prompt_len: int):
+    """The three settings of the comparison, as (title, waves): independent requests; the
+    GRPO long tail (each group's last sibling runs after the others finished; only it counts);
+    siblings decoded together (every group's 4 siblings in one batch)."""
+    texts = build_streams(files, tok, streams, context, 0, start=2)
+    independent = [[PeerRequest(f"ind-{i}", s, prompt_len, True) for i, s in enumerate(texts)]]
+    groups = [g for g in near_duplicate_groups(files, tok) if len(g) >= 3][:6]
+
+    def grouped(gi, si, s, counted):
+        prompt = np.array([4000 + gi, 4090], np.int32)  # the group's (tag) prompt
+        return PeerRequest(f"g{gi}-{si}", np.concatenate([prompt, s]), len(prompt), counted)
+    tail = []
+    for gi, g in enumerate(groups):
+        for si, s in enumerate(g):
+            tail.append([grouped(gi, si, s, si == len(g) - 1)])
+    together = [[grouped(gi, si, s, True) for gi, g in enumerate(groups) for si, s in enumerate(g)]]
+    return [("independent requests", independent), ("GRPO long tail", tail),
+            ("siblings decoded together", together)]
+
+
+def history_seeding_cost(files, tok, responses: int, length: int = 4096) -> tuple[float, float]:
+    """Median µs of the first decode-step call of a request whose prompt has ``responses``
+    kept responses of ``length`` tokens (the group's automaton is seeded in that call), and
+    of the same call with history off."""
+    texts = build_streams(files, tok, responses + 1, length, 0, start=4)
+    prompt = np.array([4001, 4091], np.int32)
+    out = []
+    for history in (1 << 24, 0):
+        times = []
+        for rep in range(5):
+            d = SamDrafter(3, group=True, history_tokens=history, history_per_prompt=responses)
+            if history:
+                for t in texts[:responses]:
+                    d.history.add(prompt.tobytes(), t)
+            row = np.concatenate([prompt, texts[-1][:1]])[None, :]
+            t0 = time.perf_counter_ns()
+            d.propose_arrays([f"new-{rep}"], [0], row, np.array([row.shape[1]], np.int32),
+                             prompt_lens=np.array([2], np.int32))
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        out.append(float(np.median(times)))
+    return out[0], out[1]
+
+
+def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> None:
+    """SAM (each of ``sam_variants``: (name, driver overrides)) against vLLM's suffix method."""
+    cls, why = suffix_proposer_class()
+    if cls is None:
+        print(f"\n== peer comparison skipped: vLLM's suffix method is unavailable ({why})")
+        return
+    settings = peer_settings(files, tok, streams, context, prompt_len=32)
+    max_len = 1 << 20
+    print(f"\n== SAM vs vLLM's suffix method (vllm.v1.spec_decode.suffix_decoding."
+          f"SuffixDecodingProposer, Arctic Inference built from its sdist), greedy replay")
+    from ascend_rl_plugins.features.sam import HISTORY_PER_PROMPT
+    per_prompt = HISTORY_PER_PROMPT.value
+    seeded, plain = history_seeding_cost(files, tok, per_prompt)
+    print(f"history seeding: a new request whose prompt has {per_prompt} kept responses of 4,096 "
+          f"tokens (ASCEND_RL_SAM_HISTORY_PER_PROMPT): "
+          f"its first call {seeded / 1e3:.2f} ms (automaton seeded) vs {plain / 1e3:.3f} ms with "
+          f"history off")
+    for title, waves in settings:
+        reqs = [r for w in waves for r in w]
+        print(f"\n{title}: {len(reqs)} requests, {sum(len(r.text) for r in reqs)} tokens, "
+              f"{sum(len(r.text) for r in reqs if r.counted)} of them counted")
+        print("| k | drafter | accepted / step | share accepted | drafted (verified) / step | "
+              "verified / accepted | drafting steps | µs / request | acc/step vs suffix | "
+              "verified/accepted vs suffix | µs vs suffix |")
+        print("|" + "---|" * 11)
+        kept = []
+        for k in PEER_BUDGETS:
+            suffix = PeerResult("suffix")
+            peer_run(waves, k, SuffixPeerDriver(cls, k, max_len), suffix, max_len)
+            rows = [suffix]
+            for name, overrides in sam_variants:
+                r = PeerResult(name)
+                driver = SamPeerDriver(k, max_len, **overrides)
+                peer_run(waves, k, driver, r, max_len)
+                rows.append(r)
+                h = driver.drafter.history
+                if h is not None and h.tokens and name == sam_variants[0][0]:
+                    kept.append(f"k={k}: {h.responses_kept()} responses of {h.prompts()} prompts, "
+                                f"{h.tokens} tokens, {h.memory_bytes() / h.tokens:.2f} bytes/token")
+            for r in rows:
+                print(f"| {k} | `{r.name}` | {r.per_step:.3f} | {r.share:.1%} | "
+                      f"{r.verified_per_step:.2f} | {r.verified_per_accepted:.2f} | "
+                      f"{r.drafting_steps / max(r.steps, 1):.0%} | {r.us_per_request:.2f} | "
+                      f"{r.per_step / max(suffix.per_step, 1e-9):.3f}× | "
+                      f"{r.verified_per_accepted / max(suffix.verified_per_accepted, 1e-9):.3f}× | "
+                      f"{r.us_per_request / suffix.us_per_request:.2f}× |")
+        if kept:
+            print(f"history of `{sam_variants[0][0]}` after the run: " + "; ".join(kept))
 
 
 if __name__ == "__main__":

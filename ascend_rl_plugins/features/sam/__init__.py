@@ -52,9 +52,12 @@ ADAPTIVE = flags.define(
     "almost nothing and accepted tokens per step is what shortens it.",
     feature="sam")
 BATCH_THRESHOLD = flags.define(
-    "ASCEND_RL_SAM_BATCH_THRESHOLD", "int", 32,
-    "Speculate only while at most this many requests are scheduled (0: always). Above it "
-    "the automaton keeps ingesting tokens but no draft is proposed or scheduled.",
+    "ASCEND_RL_SAM_BATCH_THRESHOLD", "int", 0,
+    "Speculate only while at most this many requests are scheduled (0: no fixed threshold). "
+    "Above it the automaton keeps ingesting tokens but no draft is proposed or scheduled. "
+    "Default changed from 32 to 0: the draft-length rule (ASCEND_RL_SAM_TOKEN_COST, "
+    "ASCEND_RL_SAM_COMPUTE_BOUND_BATCH) decides per token from the batch size; a value here "
+    "still overrides it.",
     aliases=("VLLM_SPECULATIVE_BATCH_SIZE_THRE",), minimum=0, feature="sam")
 RECENT_LEN = flags.define(
     "ASCEND_RL_SAM_RECENT_LEN", "int", 32,
@@ -62,6 +65,36 @@ RECENT_LEN = flags.define(
     "the longest earlier-occurring suffix; also bounds the per-token bookkeeping to N + 1 "
     "states (the recipe's drafter walked every suffix link).",
     minimum=1, maximum=4096, feature="sam")
+HISTORY_TOKENS = flags.define(
+    "ASCEND_RL_SAM_HISTORY_TOKENS", "int", 1 << 24,
+    "History: finished responses are kept by prompt, up to this many tokens in all (4 bytes "
+    "each plus small per-response overhead; least recently used prompt evicted first), and "
+    "seed the automaton of the same prompt's later requests (next epoch's rollouts, a "
+    "sibling that starts after the others finished). 0: off. Default 16,777,216 tokens "
+    "(about 64 MiB).",
+    minimum=0, feature="sam")
+HISTORY_PER_PROMPT = flags.define(
+    "ASCEND_RL_SAM_HISTORY_PER_PROMPT", "int", 8,
+    "History: at most this many finished responses kept per prompt (its oldest goes first); "
+    "they are re-ingested when the prompt's next automaton is built (about 0.15 us per token "
+    "on the reference machine, inside that step).",
+    minimum=1, maximum=4096, feature="sam")
+TOKEN_COST = flags.define(
+    "ASCEND_RL_SAM_TOKEN_COST", "float", 0.06,
+    "Draft only what will be accepted: the cost of verifying one draft token in a "
+    "memory-bound decode step, in accepted tokens. A draft token is proposed only while the "
+    "estimated probability that it and every token before it are accepted (learned online "
+    "per matched length, previous outcome and draft position) is at least the step's cost, "
+    "which rises linearly from this value to 1 at ASCEND_RL_SAM_COMPUTE_BOUND_BATCH. "
+    "0: every candidate up to k is drafted. ASCEND_RL_SAM_MIN_MATCH, ASCEND_RL_SAM_ADAPTIVE "
+    "and ASCEND_RL_SAM_BATCH_THRESHOLD still apply first, as overrides.",
+    minimum=0.0, maximum=1.0, feature="sam")
+COMPUTE_BOUND_BATCH = flags.define(
+    "ASCEND_RL_SAM_COMPUTE_BOUND_BATCH", "int", 64,
+    "Batch size (running requests) at which verifying a draft token costs as much as "
+    "generating it (the decode step is compute-bound): the draft-length rule's cost reaches "
+    "1 there and nothing is drafted from it on. Used only with ASCEND_RL_SAM_TOKEN_COST > 0.",
+    minimum=1, feature="sam")
 FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
                   flag=ENABLE,
                   replaces="the Qwen3 RL recipe's patches 0002-vllm-feature-enable_sam_decoding, "

@@ -29,19 +29,27 @@ compacted in Python, rarely. A decode step is one jitted call whose arrays are r
 through a descriptor of raw addresses, because numba unboxes each array argument
 separately (~0.1-0.35 us each): ``_ingest_step`` takes new tokens laid out flat,
 ``_rows_step`` (what the request-level drafter calls) reads them straight from the
-runner's token matrix and also settles the previous drafts and caps the new ones.
+runner's token matrix and also settles the previous drafts, learns from them how often a
+draft token is accepted (a small table in the drafter's tally, see ``_worth_drafting``),
+cuts the new drafts where that estimate no longer pays for verification, and caps them.
 
 Which occurrence is drafted from: FIRST (earliest end position) is kept for every state;
-LAST (most recent end position) is kept exact for every state whose shortest string is at
-most ``recent_len`` tokens long -- exactly the states a draft consults. Each member tracks
-the state holding its last ``recent_len`` tokens (O(1) per token) and refreshes LAST on
-that state's <= recent_len + 1 suffix-link ancestors, so the bookkeeping per token is
-bounded however long the repeats are (the recipe's drafter walked every suffix link). The
-draft continues the most recent earlier occurrence of the last min(L, recent_len) tokens, L
+LAST (the most recent end position *that has a continuation*, -1: none yet) is kept exact
+for every state whose shortest string is at most ``recent_len`` tokens long -- exactly the
+states a draft consults. An end position gains its continuation when its member appends
+its next token; each member tracks the state holding its last ``recent_len`` tokens (O(1)
+per token) and, on appending, records its previous end as LAST on that state's <=
+recent_len + 1 suffix-link ancestors, so the bookkeeping per token is bounded however long
+the repeats are (the recipe's drafter walked every suffix link). The draft continues the
+most recent earlier occurrence with a continuation of the last min(L, recent_len) tokens, L
 being the longest earlier-occurring suffix; with the default recent_len (32) that is the
-most recent occurrence of the longest match in all but long verbatim copies. (Small
-recent_len values predict better token by token but worse in a speculative replay: see
-``benchmarks/bench_sam.py``.) Appending is amortized O(1) (the classic SAM bound),
+most recent occurrence of the longest match in all but long verbatim copies. An
+occurrence without a continuation is a sibling's current end (a sibling level with this
+member, e.g. GRPO siblings decoded in lockstep) or a finished sibling's last token; when
+every occurrence of that string is such an end, the longest shorter suffix that has a
+continued occurrence is drafted from (its length then bounds the draft where the
+confidence cap is on). (Small recent_len values predict better token by token but worse in
+a speculative replay: see ``benchmarks/bench_sam.py``.) Appending is amortized O(1) (the classic SAM bound),
 drafting O(k). When the source occurrence overlaps the end of the member's own text (a
 loop), the draft continues periodically.
 """
@@ -74,11 +82,18 @@ META_COLS = 15
 # alive, and the state holding its last min(n, recent_len) tokens (with that length)
 B_AID, B_STATE, B_POS, B_NTOK, B_ALIVE, B_SHORT, B_SHORTLEN = 0, 1, 2, 3, 4, 5, 6
 # ... and, for a drafter: tokens seen when its pending draft was made (-1: none), that
-# draft's length, and the draft tokens accepted so far
-B_DEND, B_DLEN, B_ACC = 7, 8, 9
-MEMBER_COLS = 10
-_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0)  # (automaton filled in) alive, no text
-_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0)
+# draft's length, and the draft tokens accepted so far; then its first arena position
+B_DEND, B_DLEN, B_ACC, B_HEAD = 7, 8, 9, 10
+# ... and the acceptance estimate's: how its last two settled drafts fared (P_*, older * 4
+# + newer), the table cell its pending draft was estimated in, the candidate token right
+# after that draft's cut (-1: none), which the next step's bonus token settles (one position
+# of exploration), and how many of its leading tokens an older occurrence's continuation
+# agreed with
+B_PREV, B_DCELL, B_NEXTC, B_DAGREE = 11, 12, 13, 14
+MEMBER_COLS = 15
+_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)  # (automaton filled in) alive
+_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)
+P_NONE, P_FULL, P_PARTIAL, P_REJECTED = 0, 1, 2, 3
 
 SMALL_DEGREE = 4
 TOKEN_BITS = 19  # token ids must be < 2**19 (524,288); checked in the kernel
@@ -86,8 +101,11 @@ ID_BITS = 22  # states and listed edges per automaton must be < 2**22 - 1
 MAX_IDS = (1 << ID_BITS) - 2
 _ID_MASK = np.int64((1 << ID_BITS) - 1)
 _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
-# columns of the kernel's output rows: draft length, match length, then the draft
-OUT_N, OUT_MATCH, OUT_DRAFT = 0, 1, 2
+# columns of the kernel's output rows: draft length, match length, the length L that
+# bounds the draft (the match, or the shorter suffix drafted from), how many leading draft
+# tokens the first occurrence's continuation agrees with (-1: no other occurrence to ask),
+# then the draft
+OUT_N, OUT_MATCH, OUT_BOUND, OUT_AGREE, OUT_DRAFT = 0, 1, 2, 3, 4
 # ingest return codes (>= 0: the automaton whose segments must grow)
 DONE, BAD_TOKEN, DEAD_MEMBER, BAD_OFFSETS = -1, -2, -3, -4
 
@@ -102,9 +120,19 @@ D_RESUME = 13  # 3 slots: member, token, hash slots the automaton's segment must
 D_HTOP = 16  # first free slot at the top of the hash arena
 D_HWASTE = 17  # hash arena slots in holes left by moved or freed segments
 D_SIZE = 18
-# a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts
-T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED = 0, 1, 2, 3, 4
-T_SIZE = 5
+# a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts;
+# T_COST: this step's verification cost of one draft token in accepted tokens, x 1e6 (0:
+# draft all k); then the acceptance table: per (bucket of L, previous outcome, bucket of
+# the draft position, whether an older occurrence corroborates the token) the draft tokens
+# verification reached and those it accepted
+T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED, T_COST = 0, 1, 2, 3, 4, 5
+T_TABLE = 6
+N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 16, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
+N_CORR = 3  # no older occurrence to ask / it agrees up to this token / it disagreed before
+T_SIZE = T_TABLE + 2 * N_LBUCKETS * N_PREV * N_CORR * N_JBUCKETS
+COST_SCALE = 1_000_000
+TABLE_PRIOR = (2, 1)  # (reached, accepted) of a cell never observed: an estimate of 1/2
+TABLE_HALVE_AT = 1 << 14  # a cell's counts are halved there: the estimate follows drift
 
 
 @intrinsic
@@ -356,7 +384,7 @@ def _extend(S, E, H, meta, a, last, c, pos, need):
         clone = _split(S, E, H, meta, a, last, q, c, S[last, LEN] + 1)
         return clone, clone
 
-    cur = _new_state(S, meta, a, S[last, LEN] + 1, 0, pos, pos)
+    cur = _new_state(S, meta, a, S[last, LEN] + 1, 0, pos, -1)
     p = last
     while p != -1:
         h = _find(S, E, H, p, c)
@@ -412,6 +440,8 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
     caller resumes there."""
     out[i, OUT_N] = 0  # written again at the member's last new token
     out[i, OUT_MATCH] = 0
+    out[i, OUT_BOUND] = 0
+    out[i, OUT_AGREE] = -1
     limit = 1 << TOKEN_BITS
     a = members[m, B_AID]
     S = carray(_i32_at(meta[a, M_SP]), (meta[a, M_SR], S_COLS))
@@ -457,6 +487,8 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         T[pos, TNEXT] = -1
         if ppos >= 0:
             T[ppos, TNEXT] = pos
+        else:
+            members[m, B_HEAD] = pos
         members[m, B_STATE] = new_last
         members[m, B_POS] = pos
         members[m, B_NTOK] += 1
@@ -467,6 +499,16 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         vlen = members[m, B_SHORTLEN]
         while S[sh, LINK] >= 0 and S[S[sh, LINK], LEN] >= vlen:
             sh = np.int64(S[sh, LINK])
+        # The member's previous end now has a continuation (this token): it becomes the
+        # most recent continued end of every state holding one of its last vlen tokens'
+        # suffixes. (Positions are numbered in insertion order; a sibling's later end may
+        # have been continued first, hence the max.)
+        if ppos >= 0:
+            u = sh
+            while u > 0:
+                if S[u, LAST] < ppos:
+                    S[u, LAST] = ppos
+                u = S[u, LINK]
         v = _target(S, E, _find(S, E, H, sh, c))
         vlen += 1
         if vlen > recent_len:
@@ -476,35 +518,46 @@ def _ingest_member(meta, members, HA, htop, m, toks, j, k, min_match, recent_len
         members[m, B_SHORT] = v
         members[m, B_SHORTLEN] = vlen
         mlen = S[match, LEN]
-        if from_first:
-            src = S[match, FIRST]
-        elif mlen >= recent_len:
-            src = S[v, LAST]  # most recent earlier end of the last recent_len tokens
-        else:
-            src = S[match, LAST]
-        u = v
-        while u > 0:
-            S[u, LAST] = pos
-            u = S[u, LINK]
         if j == end - 1:
             out[i, OUT_MATCH] = mlen
+            out[i, OUT_BOUND] = 0
+            out[i, OUT_AGREE] = -1
             n = 0
-            if k > 0 and match != 0 and mlen >= min_match:
-                first = T[src, TNEXT]
-                if first < 0:
-                    # the most recent occurrence is the current end of a sibling that
-                    # is level with this member (nothing follows it yet): use the
-                    # first occurrence of the match, which has a continuation
+            other = np.int64(-1)  # an older occurrence's continuation, to corroborate
+            if k > 0 and match != 0:
+                if from_first:
+                    bound = mlen
                     first = T[S[match, FIRST], TNEXT]
-                p = first
-                # confidence: a match of length L proposes at most L tokens
-                kk = min(k, mlen) if adaptive else k
-                while n < kk and p >= 0:
-                    out[i, OUT_DRAFT + n] = T[p, TTOKEN]
-                    n += 1
-                    # A match inside the member's own recent text overlaps its end:
-                    # the text is periodic there, so continue from the source again.
-                    p = first if p == pos else T[p, TNEXT]
+                else:
+                    # the most recent earlier occurrence *that has a continuation* of the
+                    # last min(L, recent_len) tokens. An occurrence without one is a
+                    # sibling's (or a finished sibling's) end: a sibling level with this
+                    # member. If no occurrence of that string has one, the longest shorter
+                    # suffix whose occurrences do is used, and bounds the draft.
+                    u = v if mlen >= recent_len else match
+                    bound = mlen
+                    while u > 0 and S[u, LAST] < 0:
+                        u = S[u, LINK]
+                        bound = S[u, LEN]
+                    first = T[S[u, LAST], TNEXT] if u > 0 else -1
+                    if u > 0 and S[u, FIRST] != S[u, LAST]:
+                        other = T[S[u, FIRST], TNEXT]
+                if bound >= min_match and first >= 0:
+                    out[i, OUT_BOUND] = bound
+                    p = first
+                    # confidence: a match of length L proposes at most L tokens
+                    kk = min(k, bound) if adaptive else k
+                    agree = -1 if other < 0 else 0
+                    while n < kk and p >= 0:
+                        out[i, OUT_DRAFT + n] = T[p, TTOKEN]
+                        if other >= 0 and agree == n and T[other, TTOKEN] == T[p, TTOKEN]:
+                            agree += 1
+                            other = T[other, TNEXT] if other != pos else np.int64(-1)
+                        n += 1
+                        # A match inside the member's own recent text overlaps its end:
+                        # the text is periodic there, so continue from the source again.
+                        p = first if p == pos else T[p, TNEXT]
+                    out[i, OUT_AGREE] = agree
             out[i, OUT_N] = n
         j += 1
     return DONE
@@ -560,6 +613,91 @@ def _ingest_step(desc, member_ids, tok_flat, tok_off, k):
                          desc[D_HTOP:D_HTOP + 2])
 
 
+@njit(cache=True, inline="always")
+def _log_bucket(x, n_buckets):
+    """0 for x <= 1, 1 for 2, 2 for 3-4, 3 for 5-8, ... capped at n_buckets - 1."""
+    b = 0
+    top = 1
+    while x > top and b < n_buckets - 1:
+        b += 1
+        top *= 2
+    return b
+
+
+@njit(cache=True, inline="always")
+def _table_slot(cell, agree, j):
+    """(reached, accepted) of draft position ``j`` for a draft of ``cell`` (L bucket and
+    previous outcome) whose leading ``agree`` tokens an older occurrence corroborated."""
+    corr = 0 if agree < 0 else (1 if j < agree else 2)
+    return T_TABLE + 2 * ((cell * N_CORR + corr) * N_JBUCKETS + _log_bucket(j + 1, N_JBUCKETS))
+
+
+@njit(cache=True)
+def _observe(tally, cell, agree, j, accepted):
+    """Draft position ``j`` of a draft estimated in ``cell`` was reached by verification."""
+    t = _table_slot(cell, agree, j)
+    tally[t] += 1
+    if accepted:
+        tally[t + 1] += 1
+    if tally[t] >= TABLE_HALVE_AT:
+        tally[t] = tally[t] // 2
+        tally[t + 1] = tally[t + 1] // 2
+
+
+@njit(cache=True, inline="always")
+def _remember(members, m, outcome):
+    """B_PREV holds the member's last two outcomes (older * 4 + newer)."""
+    members[m, B_PREV] = (members[m, B_PREV] % 4) * 4 + outcome
+
+
+@njit(cache=True)
+def _settle(members, m, tally, token_ids, row, start, end):
+    """The tokens that arrived since member ``m``'s pending draft (``end - start``: the
+    accepted ones plus the bonus) settle it: counters, the member's outcome, the table."""
+    dlen = members[m, B_DLEN]
+    if dlen == 0:
+        # a draft cut to nothing: its first candidate against the token that came instead
+        # (so a request whose drafts stopped paying can win them back)
+        held = token_ids[row, start] == members[m, B_NEXTC]
+        _observe(tally, members[m, B_DCELL], members[m, B_DAGREE], 0, held)
+        _remember(members, m, P_FULL if held else P_REJECTED)
+        return
+    acc = min(end - start - 1, dlen)  # the last token is the bonus
+    tally[T_ACCEPTED] += acc
+    members[m, B_ACC] += acc
+    tally[T_VERIFIED] += 1
+    cell = members[m, B_DCELL]
+    agree = members[m, B_DAGREE]
+    for j in range(min(acc + 1, dlen)):
+        _observe(tally, cell, agree, j, j < acc)
+    if acc == dlen and members[m, B_NEXTC] >= 0:
+        # the draft was cut short and held whole: the bonus token says whether the
+        # candidate after the cut would have held too
+        _observe(tally, cell, agree, dlen, token_ids[row, start + dlen] == members[m, B_NEXTC])
+    if acc == dlen:
+        _remember(members, m, P_FULL)
+    elif acc > 0:
+        _remember(members, m, P_PARTIAL)
+    else:
+        _remember(members, m, P_REJECTED)
+
+
+@njit(cache=True)
+def _worth_drafting(tally, cell, agree, n, cost):
+    """How many of ``n`` candidate tokens to draft: while the estimated probability that
+    every token so far is accepted (the product of the cell's per-position acceptance rates)
+    is at least this step's ``cost`` of verifying one more token."""
+    keep = 0
+    prob = 1.0
+    while keep < n:
+        t = _table_slot(cell, agree, keep)
+        prob *= tally[t + 1] / max(tally[t], 1)
+        if prob * COST_SCALE < cost:
+            break
+        keep += 1
+    return keep
+
+
 @njit(cache=True)
 def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     """One decode step of a drafter, read straight from the runner's token matrix.
@@ -569,7 +707,9 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     ``k`` tokens, capped so that the step's tokens fit ``tally[T_MAX_LEN]`` (0: no cap).
     Before ingesting, the member's previous draft is settled: the tokens that arrived since
     it was made say how many of it were accepted (``tally`` counts proposals, drafted,
-    accepted and verified drafts; ``members[., B_ACC]`` per member).
+    accepted and verified drafts; ``members[., B_ACC]`` per member) and update the
+    acceptance table. With ``tally[T_COST]`` > 0 each new draft is cut where the table's
+    estimate that all its tokens so far are accepted falls below that cost.
 
     Returns DONE, DEAD_MEMBER / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which
     entry), or the automaton whose hash segment must grow (then call again: members already
@@ -584,6 +724,7 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     min_match, recent_len = desc[D_MIN_MATCH], desc[D_RECENT_LEN]
     from_first, adaptive = desc[D_FROM_FIRST] != 0, desc[D_ADAPTIVE] != 0
     max_len = tally[T_MAX_LEN]
+    cost = tally[T_COST]
     need = np.zeros(3, np.int64)
     b = batch.shape[0]
     if out.shape[0] < b or out.shape[1] < OUT_DRAFT + k or k < 0:
@@ -606,29 +747,62 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
             # settle the previous draft once tokens arrived (then it is cleared, so a call
             # resumed after a hash growth does not count it twice)
             if members[m, B_DEND] == start:
-                acc = min(end - start - 1, members[m, B_DLEN])  # the last token is the bonus
-                tally[T_ACCEPTED] += acc
-                members[m, B_ACC] += acc
-                tally[T_VERIFIED] += 1
+                _settle(members, m, tally, token_ids, row, start, end)
             members[m, B_DEND] = -1
         code = _ingest_member(meta, members, HA, htop, m, token_ids[row, :end], start, k,
                               min_match, recent_len, from_first, adaptive, out, i, need, resume)
         if code != DONE:
             return code
         n = out[i, OUT_N]
+        members[m, B_NEXTC] = -1
+        if n > 0:
+            cell = (_log_bucket(out[i, OUT_BOUND], N_LBUCKETS) * N_PREV + members[m, B_PREV])
+            members[m, B_DCELL] = cell
+            members[m, B_DAGREE] = out[i, OUT_AGREE]
+            if cost > 0:
+                keep = _worth_drafting(tally, cell, out[i, OUT_AGREE], n, cost)
+                if keep < n:
+                    members[m, B_NEXTC] = out[i, OUT_DRAFT + keep]
+                    n = keep
+                    out[i, OUT_N] = n
         if max_len > 0 and n > max_len - end - 1:
             # the step schedules the last token plus the draft, and vLLM's scheduler keeps
             # num_computed + scheduled <= max_model_len - 1: at most max_len - end - 1 drafts
             n = max(max_len - end - 1, 0)
             out[i, OUT_N] = n
+            members[m, B_NEXTC] = -1
         if n > 0:
             members[m, B_DEND] = end
             members[m, B_DLEN] = n
             tally[T_PROPOSALS] += 1
             tally[T_DRAFTED] += n
+        elif members[m, B_NEXTC] >= 0:  # cut to nothing by the estimate: settled as a shadow
+            members[m, B_DEND] = end
+            members[m, B_DLEN] = 0
     resume[0] = 0
     resume[1] = 0
     return DONE
+
+
+@njit(cache=True)
+def _linked_text(T, head, out):
+    """Follow a member's token list from arena position ``head`` into ``out``; returns the
+    count written."""
+    n = 0
+    p = head
+    while p >= 0 and n < out.shape[0]:
+        out[n] = T[p, TTOKEN]
+        n += 1
+        p = T[p, TNEXT]
+    return n
+
+
+def fresh_tally() -> np.ndarray:
+    """A drafter's tally: zero counters, no cost, every acceptance-table cell at its prior."""
+    tally = np.zeros(T_SIZE, np.int64)
+    table = tally[T_TABLE:].reshape(-1, 2)
+    table[:, 0], table[:, 1] = TABLE_PRIOR
+    return tally
 
 
 _ENTRY = [None, None]  # compiled entry points of _ingest_step and _rows_step (see _entry)
@@ -985,6 +1159,16 @@ class AutomatonPool:
         d, n, mlen = self.ingest(np.array([member], np.int64), toks,
                                  np.array([0, toks.size], np.int64), k)
         return d[0, : n[0]].tolist(), int(mlen[0])
+
+    def member_text(self, member: int) -> np.ndarray:
+        """The tokens a live member holds in its automaton, in order (those it counted after
+        its automaton reached the id limit are not stored)."""
+        if not self.members[member, B_ALIVE]:
+            raise ValueError(f"member {member} is not alive")
+        a = int(self.members[member, B_AID])
+        out = np.empty(int(self.members[member, B_NTOK]), np.int32)
+        n = _linked_text(self._rows[a][2], np.int64(self.members[member, B_HEAD]), out)
+        return out[:n]
 
     # -- accounting --------------------------------------------------------------------------
     def automaton_bytes(self, a: int) -> int:

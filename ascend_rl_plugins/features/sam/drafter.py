@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .automaton import (B_ACC, B_DEND, M_ALIVE, T_ACCEPTED, T_DRAFTED, T_MAX_LEN, T_PROPOSALS,
-                        T_SIZE, T_VERIFIED, AutomatonPool)
+from .automaton import (B_ACC, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST, T_DRAFTED, T_MAX_LEN,
+                        T_PROPOSALS, T_VERIFIED, AutomatonPool, fresh_tally)
+from .history import ResponseHistory
 
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
 # (a long rollout finishes millions of requests: the record must not grow with them)
@@ -77,17 +78,42 @@ class DrafterStats:
         return d
 
 
+def verification_cost(token_cost: float, compute_bound_batch: int, batch_size: int) -> float:
+    """What verifying one more draft token costs this step, in accepted tokens: a draft
+    token is proposed only while the estimated probability that it and every token before
+    it are accepted is at least this.
+
+    Model (not calibrated on an NPU; its shape is a roofline): while a decode step is bound
+    by reading the weights, an extra token in it costs only its own attention, sampling and
+    KV write, ``token_cost`` of an accepted token, whatever the batch: up to half of
+    ``compute_bound_batch`` running requests. From there the step turns compute-bound and a
+    verified token comes to cost what generating it would: the cost rises linearly to 1 at
+    ``compute_bound_batch``, where nothing is drafted any more. With the default 64 the
+    knee is the recipe's fixed threshold (32 requests, chosen on A3), and drafting fades out
+    above it instead of stopping at once. ``token_cost`` 0: every candidate is drafted."""
+    if token_cost <= 0.0:
+        return 0.0
+    knee = compute_bound_batch / 2.0
+    rise = max(0.0, batch_size - knee) / knee
+    return min(1.0, token_cost + (1.0 - token_cost) * rise)
+
+
 class SamDrafter:
     """Drafts for a batch of requests identified by id, given their token rows.
 
     ``k``: draft tokens per step; ``group``: siblings with identical prompts share one
     automaton; ``adaptive``: a match of length L drafts at most L tokens; ``max_model_len``:
-    drafts stop where the scheduler could not verify them. The flags of the ``sam`` feature
-    map one to one onto these arguments (see ``vllm_proposer.build_drafter``)."""
+    drafts stop where the scheduler could not verify them; ``history_tokens`` (0: off) and
+    ``history_per_prompt``: finished responses kept per prompt (see ``history.py``) seed the
+    automaton of that prompt's later requests; ``token_cost`` (0: draft all k) and
+    ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`). The flags of the ``sam`` feature map one to
+    one onto these arguments (see ``vllm_proposer.build_drafter``)."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, history_tokens: int = 0,
+                 history_per_prompt: int = 8, token_cost: float = 0.0,
+                 compute_bound_batch: int = 64):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
@@ -97,7 +123,18 @@ class SamDrafter:
         self.member_of: dict[str, int] = {}
         self.group_of: dict[str, bytes | str] = {}
         self.groups: dict[bytes | str, int] = {}  # group key -> automaton id
-        self._tally = np.zeros(T_SIZE, np.int64)
+        # finished responses by prompt (None: off); a request's prompt bytes and length
+        self.history = (ResponseHistory(history_tokens, history_per_prompt)
+                        if history_tokens > 0 else None)
+        self._prompt_of: dict[str, tuple[bytes, int]] = {}
+        self._tally = fresh_tally()
+        if not 0.0 <= token_cost <= 1.0:
+            raise ValueError(f"token_cost must be in [0, 1], got {token_cost}")
+        if compute_bound_batch < 1:
+            raise ValueError(f"compute_bound_batch must be >= 1, got {compute_bound_batch}")
+        self.token_cost = float(token_cost)
+        self.compute_bound_batch = int(compute_bound_batch)
+        self._cost_of: dict[int, int] = {}  # batch size -> T_COST value
         self.max_model_len = max_model_len
         self._steps = 0
         self._inactive_steps = 0
@@ -135,23 +172,44 @@ class SamDrafter:
         if m is not None:
             return m
         key: bytes | str = req_id
-        if self.group and prompt is not None and prompt.size:
-            key = np.ascontiguousarray(prompt, np.int32).tobytes()
+        prompt_key = None
+        if prompt is not None and prompt.size:
+            prompt = np.ascontiguousarray(prompt, np.int32)
+            prompt_key = prompt.tobytes()
+            if self.group:
+                key = prompt_key
+            if self.history is not None:
+                self._prompt_of[req_id] = (prompt_key, int(prompt.size))
         a = self.groups.get(key)
         if a is None:
             a = self.pool.new_automaton()
             self.groups[key] = a
+            if self.history is not None and prompt_key is not None:
+                self._seed(a, prompt, self.history.responses(prompt_key))
         m = self.pool.new_member(a)
         self.member_of[req_id] = m
         self.group_of[req_id] = key
         return m
 
+    def _seed(self, automaton: int, prompt: np.ndarray, responses) -> None:
+        """Put earlier responses to ``prompt`` (each after the prompt, as it was generated)
+        into a new automaton, as finished members: they come before every live request's
+        text, so a live sibling's more recent occurrence is still preferred."""
+        for response in responses:
+            seed = self.pool.new_member(automaton)
+            self.pool.extend_one(seed, np.concatenate([prompt, response]), k=0)
+            self.pool.release_member(seed, keep_text=True)
+
     def release(self, req_id: str) -> None:
-        """Forget a finished/aborted request (its group goes with its last member)."""
+        """Forget a finished/aborted request (its group goes with its last member); with
+        history on, its response is kept for its prompt's later requests."""
         m = self.member_of.pop(req_id, None)
         key = self.group_of.pop(req_id, None)
+        prompt = self._prompt_of.pop(req_id, None)
         if m is None:
             return
+        if prompt is not None:
+            self.history.add(prompt[0], self.pool.member_text(m)[prompt[1]:])
         self._key_ids = []  # the cached batch may hold this member
         record = self._finished_accepted
         record[req_id] = int(self.pool.members[m, B_ACC])
@@ -182,7 +240,7 @@ class SamDrafter:
             m = self.member_of.get(r)
             if m is None:
                 prompt = None
-                if self.group and prompt_lens is not None:
+                if (self.group or self.history is not None) and prompt_lens is not None:
                     prompt = np.asarray(token_ids[rows[i], : int(prompt_lens[rows[i]])])
                 m = self._member_for(r, prompt)
             batch[i, 0] = m
@@ -210,9 +268,18 @@ class SamDrafter:
             self._set_batch(req_ids, rows, token_ids, prompt_lens)
         threshold = self.batch_threshold
         k = self.k
-        if threshold > 0 and (len(rows) if batch_size is None else batch_size) > threshold:
+        size = len(rows) if batch_size is None else batch_size
+        if threshold > 0 and size > threshold:
             self._inactive_steps += 1
             k = 0
+        cost = self._cost_of.get(size)
+        if cost is None:
+            cost = self._cost_of[size] = round(COST_SCALE * verification_cost(
+                self.token_cost, self.compute_bound_batch, size))
+        if cost >= COST_SCALE and k:  # compute-bound: no draft pays for its verification
+            self._inactive_steps += 1
+            k = 0
+        self._tally[T_COST] = cost
         return self.pool.ingest_own_rows(self._batch, token_ids, num_tokens, k, self._tally)
 
     def propose_rows(self, req_ids, rows, token_ids, num_tokens, prompt_lens=None,
@@ -232,3 +299,7 @@ class SamDrafter:
     def memory_bytes(self) -> int:
         """Every byte the drafter's arrays hold (automata, hash arena, pool tables)."""
         return self.pool.memory_bytes() + self._batch.nbytes + self._tally.nbytes
+
+    def history_bytes(self) -> int:
+        """Bytes the store of finished responses holds (0 when history is off)."""
+        return self.history.memory_bytes() if self.history is not None else 0

@@ -18,6 +18,10 @@ ENV = {
     "ASCEND_RL_SAM_MIN_MATCH": "2",
     "ASCEND_RL_SAM_ADAPTIVE": "1",
     "ASCEND_RL_SAM_RECENT_LEN": "8",
+    "ASCEND_RL_SAM_TOKEN_COST": "0.02",
+    "ASCEND_RL_SAM_COMPUTE_BOUND_BATCH": "8",
+    "ASCEND_RL_SAM_HISTORY_TOKENS": "4096",
+    "ASCEND_RL_SAM_HISTORY_PER_PROMPT": "4",
 }
 K = 3
 MAX_MODEL_LEN = 256
@@ -30,7 +34,9 @@ LIMIT_PROMPT = ([60, 61, 62, 63, 64, 65, 66] * 40)[: MAX_MODEL_LEN - 14]
 
 # workloads: {step: [(request id, prompt, max_tokens)]}; max_tokens None runs to max_model_len
 STAGGER = {0: [("A", SIBLING, 40)], 12: [("B", SIBLING, 28)]}
-SWITCH = {0: [("TA", PROMPTS[0], 20), ("TB", PROMPTS[2], 20)], 6: [("TC", PROMPTS[1], 10)]}
+# TA and TB reuse the batch workload's prompts, so history seeds them (and drafts their first 24
+# tokens whole): 40 tokens keep them running when TC joins
+SWITCH = {0: [("TA", PROMPTS[0], 40), ("TB", PROMPTS[2], 40)], 6: [("TC", PROMPTS[1], 10)]}
 LIMIT = {0: [("L", LIMIT_PROMPT, None)]}
 
 
@@ -129,12 +135,17 @@ def run() -> dict:
            "spec": [runner.speculative_config.method, runner.speculative_config.model],
            "settings": {"k": sam.k, "batch_threshold": sam.batch_threshold, "group": sam.group,
                         "min_match": sam.min_match, "adaptive": sam.adaptive,
-                        "recent_len": sam.recent_len, "max_model_len": sam.max_model_len}}
+                        "recent_len": sam.recent_len, "max_model_len": sam.max_model_len,
+                        "token_cost": sam.token_cost,
+                        "compute_bound_batch": sam.compute_bound_batch,
+                        "history_tokens": sam.history.max_tokens if sam.history else 0,
+                        "history_per_prompt": sam.history.per_prompt if sam.history else 0}}
     res["outputs"] = _workloads(llm)
     res["stats"] = sam.stats.as_dict()
     res["accepted"] = {r.split("-")[0]: n for r, n in sam.stats.per_request_accepted.items()}
     res["events"] = rec.events
     res["live_members_after"] = sam.pool.live_members()
+    res["history"] = {"stored": sam.history.counters.stored, "seeded": sam.history.counters.seeded}
     res["patches"] = {p.name: p.outcome.state for p in REGISTRY.patches.values()
                       if p.feature.name in ("sam", "cpu_spec_decode")}
     return {"baseline": baseline, "sam": res}

@@ -14,22 +14,29 @@ class BruteForceGroup:
     def add_member(self, m: int) -> None:
         self.texts[m] = []
 
-    def occurrences(self, pattern: list[int], exclude: int) -> list[int]:
+    def occurrences(self, pattern: list[int], exclude: int, continued: bool = False) -> list[int]:
+        """End positions of ``pattern`` other than ``exclude``; ``continued``: only those
+        with a token after them (not a member's current end)."""
         L = len(pattern)
         found = []
         for g, (m, o) in enumerate(zip(self.pos_member, self.pos_offset)):
             if g == exclude or o + 1 < L:
+                continue
+            if continued and o + 1 >= len(self.texts[m]):
                 continue
             if self.texts[m][o + 1 - L: o + 1] == pattern:
                 found.append(g)
         return found
 
     def append(self, m: int, token: int, k: int, min_match: int, recent: bool = True,
-               recent_len: int = 5):
+               recent_len: int = 5, adaptive: bool = False):
         """Append and return (match_len, sources, draft) for the longest earlier suffix.
 
         The draft source: the first occurrence of the longest match (``recent=False``), or
-        the most recent earlier occurrence of the last min(L, recent_len) tokens."""
+        the most recent earlier occurrence *with a continuation* of the last
+        min(L, recent_len) tokens; when that string has none (its occurrences are level
+        siblings' ends), the longest shorter suffix with a continued occurrence, whose
+        length L' then stands for L in the ``min_match`` gate and the ``adaptive`` cap."""
         text = self.texts[m]
         text.append(token)
         g = len(self.pos_member)
@@ -43,17 +50,23 @@ class BruteForceGroup:
                 break
         if best_len == 0:
             return 0, [], []
+        bound = best_len
         if recent:
             short = min(best_len, recent_len)
-            src = max(self.occurrences(text[len(text) - short:], exclude=g))
+            cont = self.occurrences(text[len(text) - short:], exclude=g, continued=True)
+            while not cont and short > 1:
+                short -= 1
+                bound = short
+                cont = self.occurrences(text[len(text) - short:], exclude=g, continued=True)
+            if not cont:
+                return best_len, best, []
+            src = max(cont)
         else:
             src = min(best)
-        if best_len < min_match:
+        if bound < min_match:
             return best_len, best, []
         draft = self.continuation(src, k, m)
-        if not draft:  # most recent source is a level sibling's end: use the first one
-            draft = self.continuation(min(best), k, m)
-        return best_len, best, draft
+        return best_len, best, draft[:bound] if adaptive else draft
 
     def continuation(self, src: int, k: int, m: int) -> list[int]:
         """Tokens after ``src``; inside the current member's own text the match overlaps its

@@ -37,9 +37,7 @@ def _check_sequence(ops, n_members, min_match, from_first=False, adaptive=False,
         m = members[idx]
         draft, mlen = pool.extend_one(m, [tok], k=K)
         want_len, _, want = oracle.append(m, tok, K, min_match, recent=not from_first,
-                                          recent_len=recent_len)
-        if adaptive:
-            want = want[:want_len]  # a match of length L drafts at most L tokens
+                                          recent_len=recent_len, adaptive=adaptive)
         assert mlen == want_len
         assert draft == want, (draft, want)
     return pool

@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("numba")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.sam.automaton import AutomatonPool  # noqa: E402
+from ascend_rl_plugins.features.sam.automaton import AutomatonPool, fresh_tally  # noqa: E402
 from ascend_rl_plugins.features.sam.drafter import FINISHED_RECORD, SamDrafter  # noqa: E402
+from tests.features.sam.sam_oracle import BruteForceGroup  # noqa: E402
 
 SETTINGS = settings(max_examples=int(os.environ.get("ARP_TEST_SAM_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -111,6 +112,78 @@ def test_a_sibling_drafts_the_other_siblings_continuation(group):
     assert 2 not in got  # C's prompt differs: never A's group
 
 
+LOCKSTEP_TEXT = [1, 2, 10, 11, 12, 13, 20, 21, 10, 11, 12, 13, 30, 31, 10, 11]  # prompt 1 2
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_level_siblings_in_lockstep_both_draft(group):
+    """Issue 29's reproduction: two siblings with the same text stepped together. The most
+    recent earlier occurrence of sibling B's suffix is A's end, written in the same step,
+    with nothing after it yet; B must draft from the most recent occurrence that has a
+    continuation (its own earlier ``10 11``), as it does with grouping off."""
+    d = SamDrafter(3, group=group)
+    tokens = matrix(LOCKSTEP_TEXT, LOCKSTEP_TEXT)
+    plens = counts(2, 2)
+    for n in range(3, len(LOCKSTEP_TEXT) + 1):
+        got = d.propose_rows(["a", "b"], [0, 1], tokens, counts(n, n), prompt_lens=plens)
+    assert got == {0: [12, 13, 30], 1: [12, 13, 30]}
+
+
+def _sibling_texts(base, edits, n):
+    """``n`` near-identical answers: the base with a few sibling-specific token edits."""
+    texts = [list(base) for _ in range(n)]
+    for who, where, tok in edits:
+        t = texts[who % n]
+        if t:
+            t[where % len(t)] = tok
+    return texts
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40),
+       st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39), st.integers(0, 3)), max_size=6),
+       st.integers(2, 4), st.integers(1, 4), st.integers(1, 3), st.booleans(),
+       st.integers(1, 6))
+def test_siblings_stepped_in_lockstep_match_the_oracle(base, edits, n_sib, k, min_match, adaptive,
+                                                       recent_len):
+    """Siblings of one prompt decoded together, as vLLM steps ``n > 1`` children: every step
+    each sibling gets its accepted draft tokens plus one (greedy verification against its own
+    text) and drafts again. Every draft equals the brute force's over the group's texts,
+    fed the same tokens in the same order (batch order within a step)."""
+    prompt = [7, 8]
+    answers = _sibling_texts(base, edits, n_sib)
+    texts = [prompt + a for a in answers]
+    tokens = matrix(*texts)
+    plens = counts(*[len(prompt)] * n_sib)
+    d = SamDrafter(k, group=True, min_match=min_match, adaptive=adaptive, recent_len=recent_len)
+    oracle = BruteForceGroup()
+    for i in range(n_sib):
+        oracle.add_member(i)
+    seen = [0] * n_sib
+    num = [len(prompt) + 1] * n_sib
+    live = list(range(n_sib))
+    while live:
+        drafts, cnt = d.propose_arrays([f"s{i}" for i in live], live, tokens,
+                                       counts(*[num[i] if i in live else 0 for i in range(n_sib)]),
+                                       prompt_lens=plens)
+        for j, i in enumerate(live):
+            want = []
+            for t in texts[i][seen[i]:num[i]]:
+                _, _, want = oracle.append(i, t, k, min_match, recent_len=recent_len,
+                                           adaptive=adaptive)
+            seen[i] = num[i]
+            got = drafts[j, :cnt[j]].tolist()
+            assert got == want, (i, num[i], got, want)
+            truth = texts[i][num[i]:num[i] + k]
+            acc = 0
+            while acc < min(len(got), len(truth)) and got[acc] == truth[acc]:
+                acc += 1
+            num[i] = min(num[i] + acc + 1, len(texts[i]))
+        live = [i for i in live if num[i] < len(texts[i])]
+    for i in range(n_sib):  # each sibling's text reads back whole from the shared automaton
+        assert d.pool.member_text(d.member_of[f"s{i}"]).tolist() == texts[i][:seen[i]]
+
+
 def test_a_finished_siblings_text_stays_for_the_group_then_goes_with_the_last_member():
     d = SamDrafter(3, group=True)
     a, b, c = PROMPT + A_OUT, PROMPT + A_OUT[:2], PROMPT + A_OUT[:3]
@@ -192,7 +265,7 @@ def test_bad_input_is_refused_by_name():
         SamDrafter(0)
     pool = AutomatonPool()
     batch = np.array([[pool.new_member(pool.new_automaton()), 0]])
-    tally = np.zeros(5, np.int64)
+    tally = fresh_tally()
     with pytest.raises(ValueError, match="C-contiguous int64"):
         pool.ingest_rows(batch.astype(np.int32), matrix([1, 2]), counts(2), 2, tally)
     drafts, n = pool.ingest_rows(batch, matrix([1, 2, 1]), counts(3), 2, tally)
@@ -278,3 +351,169 @@ def test_a_step_that_outgrows_the_hash_arena_resumes_where_it_stopped():
         draft, _ = ref.extend_one(ref.new_member(ref.new_automaton()), t[:n], 4)
         assert got.get(row, []) == draft
     assert [int(d.pool.members[d.member_of[r], 3]) for r in "abc"] == [2990, 2995, 3000]
+
+
+# -- history: finished responses kept by prompt across steps ----------------------------------------
+
+HIST_PROMPT = [5, 6, 7]
+HIST_ANSWER = [40, 41, 42, 43, 44, 45, 46, 47]
+
+
+def _one_step_rollout(d: SamDrafter, req_id: str, text, prompt_len: int) -> list:
+    """A request decoded token by token (no draft accepted) to its end, then finished;
+    returns the drafts it got, one per step."""
+    tokens = matrix(text)
+    plens = counts(prompt_len)
+    got = []
+    for n in range(prompt_len + 1, len(text) + 1):
+        d.retain_only([req_id])  # as the proposer does every step
+        got.append(d.propose_rows([req_id], [0], tokens, counts(n), prompt_lens=plens).get(0, []))
+    d.retain_only([])
+    return got
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_a_prompt_seen_in_an_earlier_step_drafts_from_that_steps_responses(group):
+    """Step 1 answers the prompt and finishes (its automaton is freed); in step 2 a request
+    with the same prompt, one token into its answer, drafts step 1's continuation, but only
+    with history on."""
+    text = HIST_PROMPT + HIST_ANSWER
+    for history in (0, 1024):
+        d = SamDrafter(3, group=group, history_tokens=history)
+        _one_step_rollout(d, "step1", text, len(HIST_PROMPT))
+        assert d.pool.live_automata() == 0
+        second = _one_step_rollout(d, "step2", text, len(HIST_PROMPT))
+        if history:
+            assert second[0] == HIST_ANSWER[1:4]
+            assert d.history.counters.seeded == 1 and d.history.responses_kept() == 2
+        else:
+            assert second[0] == []
+            assert d.history is None
+
+
+def test_history_of_another_prompt_changes_nothing():
+    """History on but holding only other prompts' responses (or nothing): every draft and
+    every counter is the same as with history off."""
+    rng = np.random.default_rng(3)
+    texts = [[100 + i] + rng.integers(0, 4, 60).tolist() for i in range(6)]
+    runs = []
+    for history in (0, 1 << 16):
+        d = SamDrafter(4, group=True, history_tokens=history)
+        runs.append(([_one_step_rollout(d, f"r{i}", t, 1) for i, t in enumerate(texts)],
+                     d.stats.as_dict()))
+    assert runs[0] == runs[1]
+
+
+def test_history_is_bounded_and_evicts_the_least_recently_used_prompt():
+    from ascend_rl_plugins.features.sam.history import ResponseHistory
+    h = ResponseHistory(max_tokens=100, per_prompt=2)
+    for i in range(3):
+        h.add(b"p", np.full(10, i, np.int32))
+    assert [int(r[0]) for r in h.responses(b"p")] == [1, 2]  # per prompt: the oldest went
+    h.add(b"q", np.zeros(40, np.int32))
+    h.responses(b"p")  # p used: q is now the least recently used
+    h.add(b"r", np.zeros(45, np.int32))  # 20 + 40 + 45 > 100: q's response goes
+    assert h.tokens <= 100 and h.responses(b"q") == [] and len(h.responses(b"p")) == 2
+    h.add(b"s", np.zeros(101, np.int32))  # longer than the whole budget: not kept
+    assert h.counters.skipped == 1 and h.tokens <= 100
+    big = ResponseHistory(max_tokens=1 << 20, per_prompt=16)
+    for i in range(16):
+        big.add(bytes([i]) * 400, np.zeros(4096, np.int32))
+    per_token = big.memory_bytes() / big.tokens
+    assert 4.0 <= per_token < 4.5, per_token  # int32 tokens plus per-response and per-prompt overhead
+
+
+def test_history_flags_are_refused_by_name_when_out_of_range(monkeypatch):
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.sam import HISTORY_PER_PROMPT, HISTORY_TOKENS
+    for flag, bad in ((HISTORY_TOKENS, "-1"), (HISTORY_PER_PROMPT, "0"), (HISTORY_TOKENS, "many")):
+        monkeypatch.setenv(flag.name, bad)
+        flags._REGISTRY.reset_cache()
+        with pytest.raises(Exception, match=flag.name):
+            flag.value
+        monkeypatch.delenv(flag.name)
+        flags._REGISTRY.reset_cache()
+
+
+# -- draft only what will be accepted -------------------------------------------------------------
+
+def test_verification_cost_is_flat_while_memory_bound_then_rises_to_one():
+    from ascend_rl_plugins.features.sam.drafter import verification_cost
+    assert [verification_cost(0.1, 64, b) for b in (1, 16, 32)] == [0.1, 0.1, 0.1]
+    assert verification_cost(0.1, 64, 48) == pytest.approx(0.55)
+    assert verification_cost(0.1, 64, 64) == verification_cost(0.1, 64, 500) == 1.0
+    assert verification_cost(0.0, 64, 500) == 0.0  # off: every candidate is drafted
+
+
+def _feed_one_token_per_step(d: SamDrafter, text, batch_size=None) -> list:
+    tokens = np.array([text], np.int32)
+    return [d.propose_rows(["r"], [0], tokens, counts(n), batch_size=batch_size).get(0, [])
+            for n in range(1, len(text) + 1)]
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=120), st.integers(1, 6), st.integers(1, 3),
+       st.booleans(), st.floats(0.01, 0.9))
+def test_the_estimate_only_shortens_drafts_and_the_confidence_flags_still_apply(
+        text, k, min_match, adaptive, cost):
+    """Fed the same tokens, a drafter with the draft-length rule drafts a prefix of what the
+    same drafter without it drafts (the candidate is the same, only its length is chosen), so
+    min match and the cap act first, as overrides."""
+    plain = _feed_one_token_per_step(SamDrafter(k, min_match=min_match, adaptive=adaptive), text)
+    ruled = _feed_one_token_per_step(
+        SamDrafter(k, min_match=min_match, adaptive=adaptive, token_cost=cost), text)
+    for p, r in zip(plain, ruled):
+        assert r == p[: len(r)]
+
+
+def _greedy_replay(d: SamDrafter, text, batch_size=None) -> list:
+    """Drafts of a request whose every step brings its accepted draft tokens plus one."""
+    tokens = np.array([text], np.int32)
+    n, drafts = 1, []
+    while n < len(text):
+        draft = d.propose_rows(["r"], [0], tokens, counts(n), batch_size=batch_size).get(0, [])
+        drafts.append(draft)
+        a = 0
+        while a < len(draft) and n + a < len(text) and draft[a] == text[n + a]:
+            a += 1
+        n += a + 1
+    return drafts
+
+
+def test_drafts_that_keep_failing_are_cut_and_drafts_that_hold_are_kept_whole():
+    """Text with a period of 5 accepts every draft: drafts stay k long. A text whose repeats
+    never continue alike (each occurrence of a token is followed by a new token) rejects
+    every first draft token: the estimate learns it and stops drafting, while a drafter
+    without the rule keeps drafting."""
+    k = 4
+    periodic = [1, 2, 3, 4, 5] * 60
+    d = SamDrafter(k, token_cost=0.2)
+    drafts = _greedy_replay(d, periodic)
+    assert all(len(x) == k for x in drafts[-30:])
+    rng = np.random.default_rng(0)
+    noisy = [int(t) for t in rng.integers(0, 6, 400)]
+    ruled = SamDrafter(k, token_cost=0.2)
+    plain = SamDrafter(k)
+    tail_ruled = _greedy_replay(ruled, noisy)[-100:]
+    tail_plain = _greedy_replay(plain, noisy)[-100:]
+    assert sum(map(len, tail_ruled)) < sum(map(len, tail_plain)) / 4
+    # the batch size raises the cost: at the compute-bound batch nothing is drafted
+    big = SamDrafter(k, token_cost=0.2, compute_bound_batch=8)
+    assert not any(_greedy_replay(big, periodic, batch_size=8))
+    assert big.stats.inactive_steps == big.stats.steps == len(periodic) - 1
+
+
+def test_draft_length_flags_are_refused_by_name_when_out_of_range(monkeypatch):
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.sam import COMPUTE_BOUND_BATCH, TOKEN_COST
+    for flag, bad in ((TOKEN_COST, "1.5"), (TOKEN_COST, "-0.1"), (COMPUTE_BOUND_BATCH, "0")):
+        monkeypatch.setenv(flag.name, bad)
+        flags._REGISTRY.reset_cache()
+        with pytest.raises(Exception, match=flag.name):
+            flag.value
+        monkeypatch.delenv(flag.name)
+        flags._REGISTRY.reset_cache()
+    with pytest.raises(ValueError, match="token_cost"):
+        SamDrafter(3, token_cost=2.0)
+    with pytest.raises(ValueError, match="compute_bound_batch"):
+        SamDrafter(3, compute_bound_batch=0)

@@ -49,7 +49,11 @@ def test_method_sam_selects_the_sam_proposer(engines):
 def test_flags_reach_the_engines_drafter(engines):
     _, sam = engines
     assert sam["settings"] == {"k": sc.K, "batch_threshold": 2, "group": True, "min_match": 2,
-                               "adaptive": True, "recent_len": 8, "max_model_len": sc.MAX_MODEL_LEN}
+                               "adaptive": True, "recent_len": 8, "max_model_len": sc.MAX_MODEL_LEN,
+                               "token_cost": 0.02, "compute_bound_batch": 8,
+                               "history_tokens": 4096, "history_per_prompt": 4}
+    assert sam["history"]["stored"] > 0  # finished responses reached the history
+    assert sam["history"]["seeded"] > 0  # the switch workload reuses the batch workload's prompts
 
 
 def test_greedy_outputs_identical_to_no_speculation(engines):
@@ -82,7 +86,8 @@ def test_group_mode_drafts_from_the_earlier_sibling(engines):
     _, sam = engines
     b = sc.SIBLING + sam["outputs"]["stagger"]["B"]
     solo = sc.replay_accepted(b, len(sc.SIBLING), min_match=2, adaptive=True, recent_len=8,
-                              max_model_len=sc.MAX_MODEL_LEN)
+                              max_model_len=sc.MAX_MODEL_LEN, token_cost=0.02,
+                              compute_bound_batch=8)
     assert sam["accepted"]["B"] > solo
     first = next(p for p in proposals(sam) if p[0] == "B")
     assert first[3] > len(sc.SIBLING)  # B's first match spans its whole prompt: A's text
