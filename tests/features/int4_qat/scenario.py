@@ -53,6 +53,24 @@ def _apply(on: bool):
             REGISTRY.revert(REGISTRY.patches[name])
 
 
+def _activate(scope: str, group: int, preset: str = "ct") -> None:
+    """QAT flags set, the patch targets imported, the plugin activated, the forward patches on.
+
+    The target modules are imported first: REGISTRY.apply of a patch whose module is not
+    imported yet fires the armed import hook inside apply and wraps the target twice
+    (reported to the framework owner); the plugin's own entry points never take that path."""
+    import importlib
+
+    import ascend_rl_plugins
+    from ascend_rl_plugins.features.int4_qat import FEATURE
+    _set_flags(scope, group, preset)
+    for patch in FEATURE.patches:
+        if patch.dist == "megatron-core":
+            importlib.import_module(patch.module)
+    ascend_rl_plugins.activate()
+    _apply(True)
+
+
 def _set_flags(scope: str, group: int, preset: str = "ct"):
     from ascend_rl_plugins import flags
     os.environ["ASCEND_RL_INT4_QAT"] = "1"
@@ -75,19 +93,7 @@ def layout(name: str, scope: str, group: int, preset: str = "ct") -> dict:
     from ascend_rl_plugins.patching.core import REGISTRY
     from tests.support.megatron import canonical_weights, megatron_model
 
-    import importlib
-
-    import ascend_rl_plugins
-    _set_flags(scope, group, preset)
-    # the target modules are imported first: REGISTRY.apply of a patch whose module is not
-    # imported yet fires the armed import hook inside apply and wraps the target twice
-    # (reported to the framework owner); the plugin's own entry points never take that path
-    from ascend_rl_plugins.features.int4_qat import FEATURE
-    for patch in FEATURE.patches:
-        if patch.dist == "megatron-core":
-            importlib.import_module(patch.module)
-    ascend_rl_plugins.activate()
-    _apply(True)
+    _activate(scope, group, preset)
     out: dict = {"layout": name, "scope": scope, "group": group, "preset": qat_spec().preset}
     with megatron_model(dtype="bfloat16", **LAYOUTS[name]) as h:
         tokens = h.tokens(batch=4, seed=3)
@@ -202,20 +208,12 @@ def fused_wgrad(group: int) -> dict:
     ``main_grad`` buffers (as Megatron DDP sets them up: ``main_grad`` + ``grad_added_to_main_grad``):
     QAT's main_grad equals the fake-quantized model's bit for bit, and every quantized master is
     marked ``grad_added_to_main_grad`` (so DDP's hook does not add the dummy gradient again)."""
-    import importlib
-
     import torch
-    import ascend_rl_plugins
-    from ascend_rl_plugins.features.int4_qat import FEATURE, fake_quant, spec
+    from ascend_rl_plugins.features.int4_qat import fake_quant, spec
     from megatron.core.tensor_parallel import layers as mc_layers
     from tests.support.megatron import canonical_weights, megatron_model
 
-    _set_flags("all", group)
-    for patch in FEATURE.patches:
-        if patch.dist == "megatron-core":
-            importlib.import_module(patch.module)
-    ascend_rl_plugins.activate()
-    _apply(True)
+    _activate("all", group)
     saved = mc_layers.__dict__.get("fused_weight_gradient_mlp_cuda")
     mc_layers.fused_weight_gradient_mlp_cuda = FusedWgradDouble
     try:
@@ -262,21 +260,12 @@ def step_cache(group: int) -> dict:
     (which leaves the weights' version counters alone). Two optimizer steps of three
     micro-batches each, with the cache off, on, and on with its optimizer hook removed (to show
     that the hook is what keeps the second step exact)."""
-    import importlib
-
     import torch
-    import ascend_rl_plugins
     from ascend_rl_plugins import flags
-    from ascend_rl_plugins.features.int4_qat import FEATURE
     from ascend_rl_plugins.features.int4_qat import fake_weight_cache
     from tests.support.megatron import canonical_weights, megatron_model
 
-    _set_flags("all", group)
-    for patch in FEATURE.patches:
-        if patch.dist == "megatron-core":
-            importlib.import_module(patch.module)
-    ascend_rl_plugins.activate()
-    _apply(True)
+    _activate("all", group)
 
     def train(h, weights, mode: str):
         os.environ["ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE"] = "off" if mode == "off" else "step"

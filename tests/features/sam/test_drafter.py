@@ -423,16 +423,21 @@ def test_history_is_bounded_and_evicts_the_least_recently_used_prompt():
     assert 4.0 <= per_token < 4.5, per_token  # int32 tokens plus per-response and per-prompt overhead
 
 
-def test_history_flags_are_refused_by_name_when_out_of_range(monkeypatch):
+def _refused_by_name(monkeypatch, cases):
+    """Each (flag, bad value): reading the flag raises an error naming it."""
     from ascend_rl_plugins import flags
-    from ascend_rl_plugins.features.sam import HISTORY_PER_PROMPT, HISTORY_TOKENS
-    for flag, bad in ((HISTORY_TOKENS, "-1"), (HISTORY_PER_PROMPT, "0"), (HISTORY_TOKENS, "many")):
+    for flag, bad in cases:
         monkeypatch.setenv(flag.name, bad)
         flags._REGISTRY.reset_cache()
         with pytest.raises(Exception, match=flag.name):
             flag.value
         monkeypatch.delenv(flag.name)
         flags._REGISTRY.reset_cache()
+
+
+def test_history_flags_are_refused_by_name_when_out_of_range(monkeypatch):
+    from ascend_rl_plugins.features.sam import HISTORY_PER_PROMPT, HISTORY_TOKENS
+    _refused_by_name(monkeypatch, ((HISTORY_TOKENS, "-1"), (HISTORY_PER_PROMPT, "0"), (HISTORY_TOKENS, "many")))
 
 
 # -- draft only what will be accepted -------------------------------------------------------------
@@ -504,15 +509,8 @@ def test_drafts_that_keep_failing_are_cut_and_drafts_that_hold_are_kept_whole():
 
 
 def test_draft_length_flags_are_refused_by_name_when_out_of_range(monkeypatch):
-    from ascend_rl_plugins import flags
     from ascend_rl_plugins.features.sam import COMPUTE_BOUND_BATCH, TOKEN_COST
-    for flag, bad in ((TOKEN_COST, "1.5"), (TOKEN_COST, "-0.1"), (COMPUTE_BOUND_BATCH, "0")):
-        monkeypatch.setenv(flag.name, bad)
-        flags._REGISTRY.reset_cache()
-        with pytest.raises(Exception, match=flag.name):
-            flag.value
-        monkeypatch.delenv(flag.name)
-        flags._REGISTRY.reset_cache()
+    _refused_by_name(monkeypatch, ((TOKEN_COST, "1.5"), (TOKEN_COST, "-0.1"), (COMPUTE_BOUND_BATCH, "0")))
     with pytest.raises(ValueError, match="token_cost"):
         SamDrafter(3, token_cost=2.0)
     with pytest.raises(ValueError, match="compute_bound_batch"):
