@@ -79,19 +79,26 @@ def lengths_for(dist: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return (prompt + np.clip(response, 16, MAX_RESPONSE)).astype(np.int64)
 
 
-def price(micro_batches, rank_groups, lengths, model: CostModel, cp: int, tp: int, cap: int):
+def price(micro_batches, rank_groups, lengths, model: CostModel, cp: int, tp: int, cap: int,
+          ring: str = "pack"):
     """(seconds, max rank tokens / cap, micro-batch count) of a scheme: per micro-batch the
-    slowest rank plus overhead. ``rank_groups[b]``: rank list per sequence or None (CP)."""
+    slowest rank plus overhead. ``rank_groups[b]``: rank list per sequence or None (CP).
+    The sequences that share a rank list are one pack on that group
+    (``CostModel.group_time``; ``ring="pack"``: one K/V exchange per ring step for the pack,
+    as the runtime runs it; ``"sequence"``: each sequence priced alone and summed)."""
     total, overload = 0.0, 0.0
     for seqs, groups in zip(micro_batches, rank_groups):
         if groups is None:
             groups = [list(range(cp))] * len(seqs)
+        packs: dict[tuple[int, ...], list[int]] = {}
+        for seq, ranks in zip(seqs, groups):
+            packs.setdefault(tuple(ranks), []).append(int(lengths[seq]))
         rank_time = np.zeros(cp)
         rank_tokens = np.zeros(cp)
-        for seq, ranks in zip(seqs, groups):
+        for ranks, pack in packs.items():
             g = len(ranks)
-            t = model.sequence_time(int(lengths[seq]), g, tp=tp)
-            tok = int(padded_length(int(lengths[seq]), g, tp)) / g
+            t = model.group_time(pack, g, tp=tp, ring=ring)
+            tok = float(sum(int(padded_length(x, g, tp)) for x in pack)) / g
             for r in ranks:
                 rank_time[r] += t
                 rank_tokens[r] += tok

@@ -299,12 +299,25 @@ def _kk_partition(values, k):
 
 
 @njit(cache=True)
-def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
+def _pack_time(work_sum, exposed_sum, size, latency):
+    """Per-rank seconds of a pack on ``size`` ranks from its summed terms (the pack formula
+    of ``cost_model.py``: one exchange of the pack's K/V per ring step)."""
+    if size <= 1:
+        return work_sum
+    exposed = latency + exposed_sum
+    if exposed < 0.0:
+        exposed = 0.0
+    return work_sum + (size - 1) * exposed
+
+
+@njit(cache=True)
+def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts, cap):
     """For every micro-batch (items ``mb_items[mb_ptr[b]:mb_ptr[b+1]]``, longest first), the
     best candidate rank partition (row of ``parts``; row 0 is plain CP) and the group slot
-    of every item. ``times[i, s-1]``/``toks[i, s-1]``: per-rank seconds/tokens of item ``i``
-    on a group of ``s`` ranks. Greedy earliest-finish assignment under the token cap with no
-    group left empty; a candidate wins only if strictly faster (ties keep CP)."""
+    of every item. ``work[i, s-1]``/``exposed[i, s-1]``: the pack terms of item ``i`` on a
+    group of ``s`` ranks (a group's time is :func:`_pack_time` of their sums);
+    ``toks[i, s-1]``: its per-rank tokens. Greedy earliest-finish assignment under the token
+    cap with no group left empty; a candidate wins only if strictly faster (ties keep CP)."""
     nmb = mb_ptr.shape[0] - 1
     ncand = parts.shape[0]
     width = parts.shape[1]
@@ -314,6 +327,8 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
     assign = np.zeros(mb_items.shape[0], np.int64)
     trial = np.zeros(mb_items.shape[0], np.int64)
     load = np.zeros(width, np.float64)
+    wsum = np.zeros(width, np.float64)
+    xsum = np.zeros(width, np.float64)
     tok = np.zeros(width, np.int64)
     count = np.zeros(width, np.int64)
     for b in range(nmb):
@@ -327,6 +342,8 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
                 continue
             for j in range(q):
                 load[j] = 0.0
+                wsum[j] = 0.0
+                xsum[j] = 0.0
                 tok[j] = 0
                 count[j] = 0
             empty = q
@@ -342,7 +359,8 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
                     s = parts[p, j]
                     if tok[j] + toks[i, s - 1] > cap:
                         continue
-                    c = load[j] + times[i, s - 1]
+                    c = _pack_time(wsum[j] + work[i, s - 1], xsum[j] + exposed[i, s - 1], s,
+                                   latency)
                     if c < finish:
                         finish = c
                         chosen = j
@@ -353,6 +371,8 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
                     empty -= 1
                 count[chosen] += 1
                 load[chosen] = finish
+                wsum[chosen] += work[i, parts[p, chosen] - 1]
+                xsum[chosen] += exposed[i, parts[p, chosen] - 1]
                 tok[chosen] += toks[i, parts[p, chosen] - 1]
                 trial[t] = chosen
             if not ok:
@@ -374,7 +394,7 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
 
 
 @njit(cache=True)
-def _shelf_kernel(order, native, times, toks, cp_tokens, cap, cp_size):
+def _shelf_kernel(order, native, times, work, exposed, latency, toks, cp_tokens, cap, cp_size):
     """Micro-batches formed for HDP (shelf packing, first-fit-decreasing-height style).
 
     Items come tallest first (``order``: by their time on their ``native`` group size, the
@@ -387,7 +407,8 @@ def _shelf_kernel(order, native, times, toks, cp_tokens, cap, cp_size):
     then chosen by :func:`_group_kernel` like for any micro-batch."""
     n = order.shape[0]
     gsize = np.zeros((n, cp_size), np.int64)
-    gload = np.zeros((n, cp_size), np.float64)
+    gwork = np.zeros((n, cp_size), np.float64)
+    gexp = np.zeros((n, cp_size), np.float64)
     gtok = np.zeros((n, cp_size), np.int64)
     ngroups = np.zeros(n, np.int64)
     free = np.zeros(n, np.int64)
@@ -407,7 +428,8 @@ def _shelf_kernel(order, native, times, toks, cp_tokens, cap, cp_size):
             h = height[sh]
             for j in range(ngroups[sh]):
                 sz = gsize[sh, j]
-                nl = gload[sh, j] + times[i, sz - 1]
+                nl = _pack_time(gwork[sh, j] + work[i, sz - 1],
+                                gexp[sh, j] + exposed[i, sz - 1], sz, latency)
                 if nl <= h and gtok[sh, j] + toks[i, sz - 1] <= cap and h - nl < best_slack:
                     best_slack = h - nl
                     best_sh = sh
@@ -428,7 +450,8 @@ def _shelf_kernel(order, native, times, toks, cp_tokens, cap, cp_size):
             gsize[sh, best_slot] = g0
             free[sh] -= g0
         sz = gsize[sh, best_slot]
-        gload[sh, best_slot] += times[i, sz - 1]
+        gwork[sh, best_slot] += work[i, sz - 1]
+        gexp[sh, best_slot] += exposed[i, sz - 1]
         gtok[sh, best_slot] += toks[i, sz - 1]
         cptok[sh] += cp_tokens[i]
         shelf_of[i] = sh
@@ -540,8 +563,9 @@ def _validate(lengths, cp_size, max_tokens_per_rank, min_micro_batches, group_po
 
 def _cp_micro_batches(lengths: np.ndarray, cp_tokens: np.ndarray, cap: int, k_min: int,
                       cp_size: int) -> tuple[np.ndarray, int]:
-    """verl's micro-batch formation for fixed CP, made strict. Fixed CP's modelled cost
-    depends on the micro-batch count only (every sequence runs on all ranks), so what matters
+    """verl's micro-batch formation for fixed CP, made strict (the baseline: what stock
+    verl runs; under the pack model its cost also depends on which sequences share a pack,
+    so the partition is verl's own balance, not one tuned to the model). What matters first
     is K: verl's ``K = max(K_min, min(n, ceil(sum L / (R * cap))))`` whenever some partition
     at that K fits the cap. Tried at verl's K: a capped balance of verl's workload
     (:func:`_capped_lpt`, like verl's ``greedy_partition`` but never over the cap), then
@@ -667,17 +691,22 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
     # per-sequence, per-group-size tables (vectorized, one numpy pass per size)
     times = np.empty((n, cp_size), np.float64)
     times_nocomm = np.empty((n, cp_size), np.float64)
+    work = np.empty((n, cp_size), np.float64)
+    exposed = np.empty((n, cp_size), np.float64)
     padded_all = np.empty((n, cp_size), np.int64)
     for s in range(1, cp_size + 1):
-        times[:, s - 1] = model.sequence_times(arr, s, tp=tp)
-        times_nocomm[:, s - 1] = model.sequence_times(arr, s, tp=tp, with_comm=False)
+        work[:, s - 1], exposed[:, s - 1] = model.pack_terms(arr, s, tp=tp)
+        times_nocomm[:, s - 1] = work[:, s - 1]
+        times[:, s - 1] = work[:, s - 1] + (s - 1) * np.maximum(
+            0.0, model.ring_step_latency + exposed[:, s - 1])  # each sequence alone
         padded_all[:, s - 1] = padded_length(arr, s, tp)
     toks = padded_all // np.arange(1, cp_size + 1, dtype=np.int64)
+    terms = (work, exposed, float(model.ring_step_latency))
     part, k = _cp_micro_batches(arr, toks[:, cp_size - 1], cap, min_micro_batches, cp_size)
     cands = _candidates(int(cp_size), group_policy, bool(allow_hdp))
     nparts = (cands > 0).sum(axis=1).astype(np.int64)
     overhead = model.per_micro_batch_overhead
-    best = _group(arr, part, k, times, toks, cands, nparts, cap, overhead)
+    best = _group(arr, part, k, terms, toks, cands, nparts, cap, overhead)
     fixed_cp_cost = best["fixed_cp_cost"]
     if allow_hdp and cp_size > 1:
         # HDP-native micro-batches (shelf packing), kept only if cheaper overall; packed at
@@ -697,7 +726,7 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
             native = (near.argmax(axis=1) + 1).astype(np.int64)
             tall = times[np.arange(n), native - 1]
             order = np.lexsort((np.arange(n), -tall)).astype(np.int64)
-            shelf_of, nsh = _shelf_kernel(order, native, times, toks, toks[:, cp_size - 1],
+            shelf_of, nsh = _shelf_kernel(order, native, times, *terms, toks, toks[:, cp_size - 1],
                                           np.int64(shelf_cap), int(cp_size))
             formations = [(shelf_of, int(nsh))]
             if fraction == 1.0:
@@ -713,7 +742,7 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
                 if nsh < min_micro_batches:
                     shelf_of, nsh = _split_shelves(shelf_of, nsh, min_micro_batches, tall)
                 if max_micro_batches is None or nsh <= max_micro_batches:
-                    other = _group(arr, shelf_of, nsh, times, toks, cands, nparts, cap,
+                    other = _group(arr, shelf_of, nsh, terms, toks, cands, nparts, cap,
                                    overhead)
                     if other["cost"] < best["cost"]:
                         best = other
@@ -742,7 +771,7 @@ def _split_shelves(shelf_of: np.ndarray, nsh: int, k_min: int, tall: np.ndarray)
     return shelf_of, nsh
 
 
-def _group(arr, part, k, times, toks, cands, nparts, cap, overhead) -> dict:
+def _group(arr, part, k, terms, toks, cands, nparts, cap, overhead) -> dict:
     """Group every micro-batch of the partition ``part`` (``k`` parts) with
     :func:`_group_kernel`: arrays of the result, its cost and the fixed-CP cost of the same
     micro-batches (sums of per-micro-batch costs, overhead included, exactly rounded)."""
@@ -752,7 +781,7 @@ def _group(arr, part, k, times, toks, cands, nparts, cap, overhead) -> dict:
     mb_ptr[1:] = np.cumsum(np.bincount(part, minlength=k))
     mb_items = order.astype(np.int64)
     best_part, best_cost, cp_cost, assign = _group_kernel(
-        mb_ptr, mb_items, times, toks, cands, nparts, np.int64(cap))
+        mb_ptr, mb_items, *terms, toks, cands, nparts, np.int64(cap))
     return dict(mb_ptr=mb_ptr, mb_items=mb_items, best_part=best_part, best_cost=best_cost,
                 cp_cost=cp_cost, assign=assign,
                 cost=math.fsum((best_cost + overhead).tolist()),
