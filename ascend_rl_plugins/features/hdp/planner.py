@@ -39,6 +39,13 @@ How (all deterministic, so every rank computes the identical plan from the same 
    sequences, which cannot share a micro-batch under the cap, of their best times), plus the
    overhead of the fewest micro-batches the cap allows.
 
+Planning time is O(n log n) in the number of sequences ``n`` (times a factor of the
+candidate partitions of ``R``, and ``log K`` capped-balance passes when the cap raises K):
+the capped balance keeps micro-batches in two heaps (:func:`_capped_lpt`), the unit packing
+in one segment tree per load (:func:`_unit_kernel`), and shelf packing visits only open
+shelves, at most ``_SHELF_WINDOW`` per sequence (:func:`_shelf_kernel`).
+:func:`planning_work` counts the steps, which the tests compare across sizes.
+
 The plan is data attached to the micro-batches (``HdpPlan``), never process state; it
 serializes to JSON and has a digest so ranks can cross-check it. No torch here.
 """
@@ -394,55 +401,102 @@ def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts,
 
 
 @njit(cache=True)
-def _shelf_kernel(order, native, times, work, exposed, latency, toks, cp_tokens, cap, cp_size):
+def _shelf_kernel(order, native, times, work, exposed, latency, toks, cp_tokens, cap, cp_size,
+                  increase_floor, window):
     """Micro-batches formed for HDP (shelf packing, first-fit-decreasing-height style).
 
     Items come tallest first (``order``: by their time on their ``native`` group size, the
     allowed size that fits the cap with the least rank-seconds). A micro-batch is a shelf of
     ``cp_size`` ranks whose height is its first (tallest) item's time; later items join an
     existing group of a shelf, or open a group of their native size on the shelf's free
-    ranks, wherever they fit under the height and the token cap with the least slack left.
-    Each shelf also stays within the cap under plain CP (so CP is always a valid fallback
-    for it). Returns the shelf of every item and the shelf count; the grouping itself is
-    then chosen by :func:`_group_kernel` like for any micro-batch."""
+    ranks, wherever they fit under the height and the token cap with the least slack left
+    (ties: the earliest shelf). Each shelf also stays within the cap under plain CP (so CP
+    is always a valid fallback for it). Returns the shelf of every item, the shelf count and
+    the number of shelf visits (the work done, for the complexity test); the grouping itself
+    is then chosen by :func:`_group_kernel` like for any micro-batch.
+
+    Linear time: only *open* shelves are visited, at most ``window`` of them per item, the
+    most recently opened first. A shelf closes for good when no later item can join it:
+    its plain-CP tokens plus the fewest of any later item exceed the cap, or every group's
+    slack under the height (and, with free ranks, the height itself) is below
+    ``increase_floor[t]``, the least time any item from position ``t`` on adds to any pack
+    (a pack never gets faster by adding a sequence, see ``cost_model.py``)."""
     n = order.shape[0]
     gsize = np.zeros((n, cp_size), np.int64)
     gwork = np.zeros((n, cp_size), np.float64)
     gexp = np.zeros((n, cp_size), np.float64)
+    gtime = np.zeros((n, cp_size), np.float64)
     gtok = np.zeros((n, cp_size), np.int64)
     ngroups = np.zeros(n, np.int64)
     free = np.zeros(n, np.int64)
     height = np.zeros(n, np.float64)
     cptok = np.zeros(n, np.int64)
     shelf_of = np.full(n, -1, np.int64)
+    # the fewest plain-CP tokens of any item from position t on
+    least_cp = np.empty(n + 1, np.int64)
+    least_cp[n] = cap + 1
+    for t in range(n - 1, -1, -1):
+        least_cp[t] = min(least_cp[t + 1], cp_tokens[order[t]])
+    open_list = np.empty(n, np.int64)
+    nopen = 0
     nsh = 0
+    visits = 0
     for t in range(n):
         i = order[t]
         g0 = native[i]
         best_sh = -1
         best_slot = -1
         best_slack = np.inf
-        for sh in range(nsh):
-            if cptok[sh] + cp_tokens[i] > cap:
-                continue
+        floor = increase_floor[t]
+        low = max(0, nopen - window)
+        for idx in range(nopen - 1, low - 1, -1):
+            sh = open_list[idx]
+            visits += 1
             h = height[sh]
-            for j in range(ngroups[sh]):
-                sz = gsize[sh, j]
-                nl = _pack_time(gwork[sh, j] + work[i, sz - 1],
-                                gexp[sh, j] + exposed[i, sz - 1], sz, latency)
-                if nl <= h and gtok[sh, j] + toks[i, sz - 1] <= cap and h - nl < best_slack:
-                    best_slack = h - nl
+            if cptok[sh] + least_cp[t] > cap:
+                open_list[idx] = -1
+                continue
+            alive = free[sh] > 0 and h >= floor
+            shelf_slack = np.inf
+            shelf_slot = -1
+            if cptok[sh] + cp_tokens[i] <= cap:
+                for j in range(ngroups[sh]):
+                    if h - gtime[sh, j] >= floor:
+                        alive = True
+                    sz = gsize[sh, j]
+                    nl = _pack_time(gwork[sh, j] + work[i, sz - 1],
+                                    gexp[sh, j] + exposed[i, sz - 1], sz, latency)
+                    if nl <= h and gtok[sh, j] + toks[i, sz - 1] <= cap and h - nl < shelf_slack:
+                        shelf_slack = h - nl
+                        shelf_slot = j
+                if free[sh] >= g0 and times[i, g0 - 1] <= h and \
+                        h - times[i, g0 - 1] < shelf_slack:
+                    shelf_slack = h - times[i, g0 - 1]
+                    shelf_slot = -1
+                if shelf_slack <= best_slack and shelf_slack < np.inf:
+                    best_slack = shelf_slack
                     best_sh = sh
-                    best_slot = j
-            if free[sh] >= g0 and times[i, g0 - 1] <= h and h - times[i, g0 - 1] < best_slack:
-                best_slack = h - times[i, g0 - 1]
-                best_sh = sh
-                best_slot = -1
+                    best_slot = shelf_slot
+            else:
+                for j in range(ngroups[sh]):
+                    if h - gtime[sh, j] >= floor:
+                        alive = True
+            if not alive:
+                open_list[idx] = -1
+        # drop the closed shelves from the visited tail of the open list
+        w = low
+        for idx in range(low, nopen):
+            if open_list[idx] >= 0:
+                open_list[w] = open_list[idx]
+                w += 1
+        nopen = w
         if best_sh < 0:
             best_sh = nsh
             nsh += 1
             height[best_sh] = times[i, g0 - 1]
             free[best_sh] = cp_size
+            open_list[nopen] = best_sh
+            nopen += 1
         sh = best_sh
         if best_slot < 0:
             best_slot = ngroups[sh]
@@ -452,10 +506,34 @@ def _shelf_kernel(order, native, times, work, exposed, latency, toks, cp_tokens,
         sz = gsize[sh, best_slot]
         gwork[sh, best_slot] += work[i, sz - 1]
         gexp[sh, best_slot] += exposed[i, sz - 1]
+        gtime[sh, best_slot] = _pack_time(gwork[sh, best_slot], gexp[sh, best_slot], sz,
+                                          latency)
         gtok[sh, best_slot] += toks[i, sz - 1]
         cptok[sh] += cp_tokens[i]
         shelf_of[i] = sh
-    return shelf_of, nsh
+    return shelf_of, nsh, visits
+
+
+@njit(cache=True)
+def _tree_set(tree, size, pos, value):
+    """Point update of a min segment tree (leaves at ``size + pos``)."""
+    k = size + pos
+    tree[k] = value
+    k //= 2
+    while k >= 1:
+        tree[k] = min(tree[2 * k], tree[2 * k + 1])
+        k //= 2
+
+
+@njit(cache=True)
+def _tree_first_at_most(tree, size, limit):
+    """Lowest leaf index whose value is ``<= limit`` (-1 if none), O(log size)."""
+    if tree[1] > limit:
+        return -1
+    k = 1
+    while k < size:
+        k = 2 * k if tree[2 * k] <= limit else 2 * k + 1
+    return k - size
 
 
 @njit(cache=True)
@@ -464,36 +542,50 @@ def _unit_kernel(order, units, cp_tokens, cap, cp_size):
     ``units[i]`` ranks (the fewest that fit it under the cap), a micro-batch holds
     ``cp_size`` units and, so CP stays a valid fallback, at most the cap under plain CP.
     Items in ``order`` (most units first); each goes to the micro-batch it fills most
-    tightly. Returns the micro-batch of every item and the count."""
+    tightly (ties: the earliest). Returns the micro-batch of every item, the count and the
+    number of tree steps (the work done, for the complexity test).
+
+    O(n * cp_size * log n): one min segment tree per unit load ``1..cp_size`` over the
+    micro-batches' plain-CP tokens (absent: a value above the cap), so the earliest
+    micro-batch of a load with room for the item's tokens is one descent."""
     n = order.shape[0]
+    size = 1
+    while size < n:
+        size *= 2
+    absent = cap + 1
+    trees = np.full((cp_size + 1, 2 * size), absent, np.int64)
     load = np.zeros(n, np.int64)
     cptok = np.zeros(n, np.int64)
     bin_of = np.full(n, -1, np.int64)
     nb = 0
+    steps = 0
     for t in range(n):
         i = order[t]
         best = -1
-        left_best = cp_size + 1
-        for b in range(nb):
-            left = cp_size - load[b] - units[i]
-            if left >= 0 and left < left_best and cptok[b] + cp_tokens[i] <= cap:
+        for level in range(cp_size - units[i], 0, -1):  # least left over first
+            steps += 1
+            b = _tree_first_at_most(trees[level], size, cap - cp_tokens[i])
+            if b >= 0:
                 best = b
-                left_best = left
-                if left == 0:
-                    break
+                break
         if best < 0:
             best = nb
             nb += 1
+        else:
+            _tree_set(trees[load[best]], size, best, absent)
         load[best] += units[i]
         cptok[best] += cp_tokens[i]
+        if load[best] < cp_size:
+            _tree_set(trees[load[best]], size, best, cptok[best])
         bin_of[i] = best
-    return bin_of, nb
+    return bin_of, nb, steps
 
 
 # -- candidates -------------------------------------------------------------------------------
 
 _MAX_FULL_ENUMERATION = 16  # R <= 16: all integer partitions (231 at R = 16)
 _NATIVE_TOLERANCE = 0.01  # sizes within 1% of the least rank-seconds count as equal
+_SHELF_WINDOW = 64  # open shelves visited per item (the most recent): keeps packing linear
 _SHELF_CAP_FRACTIONS = (1.0, 0.85)  # formation caps tried for HDP-native micro-batches
 _KK_MAX_PARTS = 64  # Karmarkar-Karp is O(n K log K); beyond this K only the capped balance
 
@@ -562,7 +654,7 @@ def _validate(lengths, cp_size, max_tokens_per_rank, min_micro_batches, group_po
 
 
 def _cp_micro_batches(lengths: np.ndarray, cp_tokens: np.ndarray, cap: int, k_min: int,
-                      cp_size: int) -> tuple[np.ndarray, int]:
+                      cp_size: int) -> tuple[np.ndarray, int, int]:
     """verl's micro-batch formation for fixed CP, made strict (the baseline: what stock
     verl runs; under the pack model its cost also depends on which sequences share a pack,
     so the partition is verl's own balance, not one tuned to the model). What matters first
@@ -571,40 +663,110 @@ def _cp_micro_batches(lengths: np.ndarray, cp_tokens: np.ndarray, cap: int, k_mi
     (:func:`_capped_lpt`, like verl's ``greedy_partition`` but never over the cap), then
     verl's own Karmarkar-Karp partition (for K <= 64; verl never re-checks the budget after
     balancing, so it may overflow). If neither fits, the smallest larger K at which the
-    capped balance fits (gallop, then bisect)."""
+    capped balance fits (gallop, then bisect). The third value counts the capped-balance
+    passes (each O(n log K); the gallop and bisection make O(log K) of them)."""
     n = lengths.size
     k = max(k_min, min(n, -(-int(lengths.sum()) // (cp_size * cap))))
     workload = VERL_WORKLOAD_LINEAR * lengths + lengths * lengths
     order = np.lexsort((np.arange(n), -workload)).astype(np.int64)
     part = _capped_lpt(order, workload, cp_tokens, np.int64(cap), k)
+    passes = 1
     if part[0] >= 0:
-        return part, k
+        return part, k, passes
     if k <= _KK_MAX_PARTS and int(cp_tokens.sum()) <= k * cap:
         part = _kk_partition(workload, k)
         per_mb = np.bincount(part, weights=cp_tokens, minlength=k)
         if (per_mb <= cap).all() and (np.bincount(part, minlength=k) > 0).all():
-            return part, k
+            return part, k, passes
     cap64 = np.int64(cap)
     # smallest K (from verl's) at which the capped balance fits: gallop, then bisect
     low, step, found = k, 1, None
     while found is None:
         trial = min(n, low + step)
         part = _capped_lpt(order, workload, cp_tokens, cap64, trial)
+        passes += 1
         if part[0] >= 0:
             found = (part, trial)
         elif trial >= n:  # every sequence alone fits (validated): unreachable
-            return np.arange(n, dtype=np.int64), n
+            return np.arange(n, dtype=np.int64), n, passes
         else:
             low, step = trial, step * 2
     high_part, high = found
     while high - low > 1:
         mid = (low + high) // 2
         part = _capped_lpt(order, workload, cp_tokens, cap64, mid)
+        passes += 1
         if part[0] >= 0:
             high_part, high = part, mid
         else:
             low = mid
-    return high_part, high
+    return high_part, high, passes
+
+
+@njit(cache=True)
+def _load_before(a, b, load):
+    """Heap order of micro-batches by (load, index)."""
+    return load[a] < load[b] or (load[a] == load[b] and a < b)
+
+
+@njit(cache=True)
+def _push_by_load(heap, size, item, load):
+    heap[size] = item
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _load_before(heap[i], heap[parent], load):
+            break
+        heap[i], heap[parent] = heap[parent], heap[i]
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _pop_by_load(heap, size, load):
+    size -= 1
+    heap[0] = heap[size]
+    i = 0
+    while True:
+        left, right, best = 2 * i + 1, 2 * i + 2, i
+        if left < size and _load_before(heap[left], heap[best], load):
+            best = left
+        if right < size and _load_before(heap[right], heap[best], load):
+            best = right
+        if best == i:
+            return size
+        heap[i], heap[best] = heap[best], heap[i]
+        i = best
+
+
+@njit(cache=True)
+def _push_by_room(heap, size, item, room):
+    heap[size] = item
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if room[heap[i]] <= room[heap[parent]]:
+            break
+        heap[i], heap[parent] = heap[parent], heap[i]
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _pop_by_room(heap, size, room):
+    size -= 1
+    heap[0] = heap[size]
+    i = 0
+    while True:
+        left, right, best = 2 * i + 1, 2 * i + 2, i
+        if left < size and room[heap[left]] > room[heap[best]]:
+            best = left
+        if right < size and room[heap[right]] > room[heap[best]]:
+            best = right
+        if best == i:
+            return size
+        heap[i], heap[best] = heap[best], heap[i]
+        i = best
 
 
 @njit(cache=True)
@@ -612,31 +774,51 @@ def _capped_lpt(order, workload, tokens, cap, k):
     """Longest-processing-time balance of ``workload`` over ``k`` micro-batches in ``order``
     (heaviest first): each item joins the least-loaded micro-batch with room for its tokens
     (ties: lowest index). Empty micro-batches are filled first so none stays empty.
-    ``part[0] == -1``: some item fit nowhere (the caller raises K)."""
+    ``part[0] == -1``: some item fit nowhere (the caller raises K).
+
+    O(n log k): micro-batches with room for the current item wait in a heap by (load,
+    index); those without wait in a heap by room and come back once an item small enough
+    arrives (a micro-batch's room only shrinks, and only when it takes an item)."""
     n = order.shape[0]
     part = np.full(n, -1, np.int64)
     load = np.zeros(k, np.int64)
-    used = np.zeros(k, np.int64)
+    room = np.full(k, cap, np.int64)
     count = np.zeros(k, np.int64)
+    fits = np.arange(k).astype(np.int64)  # a heap already: equal loads, ascending index
+    nfits = k
+    full = np.empty(k, np.int64)
+    nfull = 0
     empty = k
     for t in range(n):
         i = order[t]
-        force = (n - t) <= empty
+        need = tokens[i]
+        while nfull > 0 and room[full[0]] >= need:
+            b = full[0]
+            nfull = _pop_by_room(full, nfull, room)
+            nfits = _push_by_load(fits, nfits, b, load)
         chosen = -1
-        for b in range(k):
-            if used[b] + tokens[i] > cap or (force and count[b] > 0):
-                continue
-            if chosen < 0 or load[b] < load[chosen]:
+        while nfits > 0:
+            b = fits[0]
+            nfits = _pop_by_load(fits, nfits, load)
+            if room[b] >= need:
                 chosen = b
-        if chosen < 0:
+                break
+            nfull = _push_by_room(full, nfull, b, room)
+        # when only as many items are left as empty micro-batches, each must open one: the
+        # least-loaded micro-batch with room is then an empty one (load 0), or none is left
+        if chosen < 0 or ((n - t) <= empty and count[chosen] > 0):
             part[0] = -1
             return part
         if count[chosen] == 0:
             empty -= 1
         part[i] = chosen
         load[chosen] += workload[i]
-        used[chosen] += tokens[i]
+        room[chosen] -= need
         count[chosen] += 1
+        if room[chosen] >= need:
+            nfits = _push_by_load(fits, nfits, chosen, load)
+        else:
+            nfull = _push_by_room(full, nfull, chosen, room)
     return part
 
 
@@ -679,6 +861,23 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
     the counts, re-plan with both set to it; a rank whose count still differs re-plans
     with fixed CP's count, all-reduced the same way).
     Invalid input is a ``ValueError``."""
+    return _plan(lengths, cp_size=cp_size, max_tokens_per_rank=max_tokens_per_rank,
+                 min_micro_batches=min_micro_batches, group_policy=group_policy,
+                 cost_model=cost_model, tp=tp, allow_hdp=allow_hdp,
+                 max_micro_batches=max_micro_batches)[0]
+
+
+def planning_work(lengths: Sequence[int], **kwargs) -> int:
+    """How much work :func:`plan` does for these arguments, counted in the steps of its
+    inner loops (items through a capped-balance pass, shelf visits, unit-tree levels,
+    candidate partitions tried per item): the complexity test compares it across sizes,
+    where a timing on a shared machine would say little."""
+    return _plan(lengths, **kwargs)[1]
+
+
+def _plan(lengths, *, cp_size, max_tokens_per_rank, min_micro_batches=1,
+          group_policy="contiguous", cost_model=None, tp=1, allow_hdp=True,
+          max_micro_batches=None) -> tuple[HdpPlan, int]:
     arr = _validate(lengths, cp_size, max_tokens_per_rank, min_micro_batches, group_policy, tp)
     if max_micro_batches is not None and (
             isinstance(max_micro_batches, bool) or not isinstance(max_micro_batches, int)
@@ -702,9 +901,11 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
         padded_all[:, s - 1] = padded_length(arr, s, tp)
     toks = padded_all // np.arange(1, cp_size + 1, dtype=np.int64)
     terms = (work, exposed, float(model.ring_step_latency))
-    part, k = _cp_micro_batches(arr, toks[:, cp_size - 1], cap, min_micro_batches, cp_size)
+    part, k, passes = _cp_micro_batches(arr, toks[:, cp_size - 1], cap, min_micro_batches,
+                                        cp_size)
     cands = _candidates(int(cp_size), group_policy, bool(allow_hdp))
     nparts = (cands > 0).sum(axis=1).astype(np.int64)
+    steps = passes * n + cands.shape[0] * n
     overhead = model.per_micro_batch_overhead
     best = _group(arr, part, k, terms, toks, cands, nparts, cap, overhead)
     fixed_cp_cost = best["fixed_cp_cost"]
@@ -726,8 +927,15 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
             native = (near.argmax(axis=1) + 1).astype(np.int64)
             tall = times[np.arange(n), native - 1]
             order = np.lexsort((np.arange(n), -tall)).astype(np.int64)
-            shelf_of, nsh = _shelf_kernel(order, native, times, *terms, toks, toks[:, cp_size - 1],
-                                          np.int64(shelf_cap), int(cp_size))
+            # the least time a sequence adds to any pack it joins, suffix minima in order
+            floor = np.where(allowed[None, :],
+                             work + (sizes - 1)[None, :] * np.minimum(0.0, exposed),
+                             np.inf).min(axis=1)
+            floor = np.minimum.accumulate(floor[order][::-1])[::-1].copy()
+            shelf_of, nsh, visits = _shelf_kernel(
+                order, native, times, *terms, toks, toks[:, cp_size - 1],
+                np.int64(shelf_cap), int(cp_size), floor, _SHELF_WINDOW)
+            steps += int(visits)
             formations = [(shelf_of, int(nsh))]
             if fraction == 1.0:
                 # rank units: every sequence on the fewest ranks that fit it, best-fit
@@ -735,8 +943,10 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
                 # without its memory overload)
                 units = ((toks <= cap) & allowed[None, :]).argmax(axis=1).astype(np.int64) + 1
                 order = np.lexsort((np.arange(n), -arr, -units)).astype(np.int64)
-                formations.append(_unit_kernel(order, units, toks[:, cp_size - 1],
-                                               np.int64(cap), int(cp_size)))
+                unit_of, nunits, tree_steps = _unit_kernel(
+                    order, units, toks[:, cp_size - 1], np.int64(cap), int(cp_size))
+                steps += int(tree_steps) * max(1, int(n).bit_length())
+                formations.append((unit_of, nunits))
             for shelf_of, nsh in formations:
                 nsh = int(nsh)
                 if nsh < min_micro_batches:
@@ -744,6 +954,7 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
                 if max_micro_batches is None or nsh <= max_micro_batches:
                     other = _group(arr, shelf_of, nsh, terms, toks, cands, nparts, cap,
                                    overhead)
+                    steps += cands.shape[0] * n
                     if other["cost"] < best["cost"]:
                         best = other
     lower = _lower_bound(times_nocomm, times, toks, padded_all, cap, cp_size,
@@ -751,7 +962,7 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
     return HdpPlan(micro_batches=_materialize(best, cands, nparts, overhead),
                    cp_size=int(cp_size), cost=float(min(best["cost"], fixed_cp_cost)),
                    fixed_cp_cost=float(fixed_cp_cost), lower_bound=float(lower), tp=int(tp),
-                   group_policy=group_policy)
+                   group_policy=group_policy), steps
 
 
 def _split_shelves(shelf_of: np.ndarray, nsh: int, k_min: int, tall: np.ndarray):
@@ -794,20 +1005,22 @@ def _materialize(r: dict, cands, nparts, overhead) -> tuple[MicroBatchPlan, ...]
     starts_of[:, 1:] = np.cumsum(cands, axis=1)
     group_tuples = [tuple(tuple(range(int(st[j]), int(st[j + 1])))
                           for j in range(int(q))) for st, q in zip(starts_of, nparts)]
-    mb_ptr = r["mb_ptr"].tolist()
-    items, assign = r["mb_items"], r["assign"]
+    ptr = r["mb_ptr"]
+    mb_ptr = ptr.tolist()
+    # within each micro-batch, its sequences in index order (one sort for all of them)
+    mb_id = np.repeat(np.arange(len(mb_ptr) - 1), np.diff(ptr))
+    by_index = np.lexsort((r["mb_items"], mb_id))
+    items = r["mb_items"][by_index].tolist()
+    assign = r["assign"][by_index].tolist()
     best_part = r["best_part"].tolist()
     costs = (r["best_cost"] + overhead).tolist()
     cp_costs = (r["cp_cost"] + overhead).tolist()
     out = []
     for b in range(len(mb_ptr) - 1):
         lo, hi = mb_ptr[b], mb_ptr[b + 1]
-        idx = items[lo:hi]
-        by_index = np.argsort(idx, kind="mergesort")
         p = best_part[b]
-        out.append(MicroBatchPlan(tuple(idx[by_index].tolist()), group_tuples[p],
-                                  tuple(assign[lo:hi][by_index].tolist()), p == 0,
-                                  costs[b], cp_costs[b]))
+        out.append(MicroBatchPlan(tuple(items[lo:hi]), group_tuples[p], tuple(assign[lo:hi]),
+                                  p == 0, costs[b], cp_costs[b]))
     return tuple(out)
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from ascend_rl_plugins.features.hdp.cost_model import CostModel, pad_multiple, padded_length
 from ascend_rl_plugins.features.hdp.planner import (
-    GROUP_POLICIES, HdpPlan, MicroBatchPlan, plan, split_for_group)
+    GROUP_POLICIES, HdpPlan, MicroBatchPlan, plan, planning_work, split_for_group)
 
 # A GQA-like and an MLA-like model (small models are enough: the properties hold for any
 # non-negative cost model) plus the shipped default.
@@ -305,3 +305,19 @@ def test_planner_imports_no_torch():
     from tests.support.child import run_scenario
     assert run_scenario("tests.features.hdp.test_planner", "child_heavy_modules",
                         timeout=600) == []
+
+
+@pytest.mark.parametrize("cp_size, tp, cap, model", [(4, 4, 16384, GQA), (8, 4, 8192, MLA)])
+def test_planning_work_grows_no_faster_than_n_log_n(cp_size, tp, cap, model):
+    # counted work (inner-loop steps), not a timing: per n*log2(n), 8192 sequences cost no
+    # more than 1024 do (the old shelf packing visited every shelf per item: quadratic)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    pool = (rng.integers(256, 2049, 8192)
+            + np.clip(rng.lognormal(np.log(3000), 1.0, 8192), 16, 32768)).astype(np.int64)
+    per = {}
+    for n in (1024, 8192):
+        work = planning_work(pool[:n], cp_size=cp_size, max_tokens_per_rank=cap,
+                             min_micro_batches=cp_size, cost_model=model, tp=tp)
+        per[n] = work / (n * math.log2(n))
+    assert per[8192] <= 1.1 * per[1024], per
