@@ -62,7 +62,8 @@ DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default
 RING_PRICING = ("pack", "sequence")  # how ring communication is priced (see the docstring)
 
 _NUMERIC_FIELDS = ("linear_per_token", "attention_per_token_pair", "kv_bytes_per_token",
-                   "link_bytes_per_s", "ring_step_latency", "per_micro_batch_overhead")
+                   "link_bytes_per_s", "ring_step_latency", "per_micro_batch_overhead",
+                   "relative_error")
 
 
 def pad_multiple(group_size: int, tp: int) -> int:
@@ -92,6 +93,9 @@ class CostModel:
     link_bytes_per_s: float  # point-to-point bandwidth of one ring step
     ring_step_latency: float = 0.0  # s of fixed cost per ring step (all layers)
     per_micro_batch_overhead: float = 0.0  # s per micro-batch
+    # the model's relative error on measured micro-batch times (calibration writes it): the
+    # planner regroups only where the modelled gain over plain CP exceeds it
+    relative_error: float = 0.0
     comment: str = ""
 
     def __post_init__(self) -> None:
@@ -102,9 +106,10 @@ class CostModel:
                 raise ValueError(f"CostModel.{name}={value!r}: expected a finite number "
                                  f"(accepted: a float >= 0; link_bytes_per_s > 0)")
             object.__setattr__(self, name, float(value))
-            if value < 0 or (name == "link_bytes_per_s" and value <= 0):
+            if value < 0 or (name == "link_bytes_per_s" and value <= 0) \
+                    or (name == "relative_error" and value >= 1):
                 raise ValueError(f"CostModel.{name}={value!r}: expected a float >= 0 "
-                                 f"(link_bytes_per_s must be > 0)")
+                                 f"(link_bytes_per_s must be > 0, relative_error < 1)")
         if not isinstance(self.comment, str):
             raise ValueError(f"CostModel.comment={self.comment!r}: expected a string")
 

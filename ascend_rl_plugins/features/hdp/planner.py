@@ -318,13 +318,16 @@ def _pack_time(work_sum, exposed_sum, size, latency):
 
 
 @njit(cache=True)
-def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts, cap):
+def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts, cap,
+                  margin):
     """For every micro-batch (items ``mb_items[mb_ptr[b]:mb_ptr[b+1]]``, longest first), the
     best candidate rank partition (row of ``parts``; row 0 is plain CP) and the group slot
     of every item. ``work[i, s-1]``/``exposed[i, s-1]``: the pack terms of item ``i`` on a
     group of ``s`` ranks (a group's time is :func:`_pack_time` of their sums);
     ``toks[i, s-1]``: its per-rank tokens. Greedy earliest-finish assignment under the token
-    cap with no group left empty; a candidate wins only if strictly faster (ties keep CP)."""
+    cap with no group left empty; a candidate wins only if strictly faster than the best so
+    far and than plain CP by more than ``margin`` (the model's measured relative error:
+    ties, and gains the model cannot vouch for, keep CP)."""
     nmb = mb_ptr.shape[0] - 1
     ncand = parts.shape[0]
     width = parts.shape[1]
@@ -342,6 +345,7 @@ def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts,
         lo, hi = mb_ptr[b], mb_ptr[b + 1]
         m = hi - lo
         best = np.inf
+        bar = np.inf  # what a regrouping must beat
         bp = -1
         for p in range(ncand):
             q = nparts[p]
@@ -371,7 +375,7 @@ def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts,
                     if c < finish:
                         finish = c
                         chosen = j
-                if chosen < 0 or (p > 0 and finish >= best):
+                if chosen < 0 or (p > 0 and finish >= bar):
                     ok = False
                     break
                 if count[chosen] == 0:
@@ -390,11 +394,15 @@ def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts,
                     slowest = load[j]
             if p == 0:
                 cp_cost[b] = slowest
-            if slowest < best:
-                best = slowest
-                bp = p
-                for t in range(lo, hi):
-                    assign[t] = trial[t]
+                bar = slowest * (1.0 - margin)
+            elif slowest < bar:
+                bar = slowest
+            else:
+                continue
+            best = slowest
+            bp = p
+            for t in range(lo, hi):
+                assign[t] = trial[t]
         best_part[b] = bp
         best_cost[b] = best
     return best_part, best_cost, cp_cost, assign
@@ -907,7 +915,8 @@ def _plan(lengths, *, cp_size, max_tokens_per_rank, min_micro_batches=1,
     nparts = (cands > 0).sum(axis=1).astype(np.int64)
     steps = passes * n + cands.shape[0] * n
     overhead = model.per_micro_batch_overhead
-    best = _group(arr, part, k, terms, toks, cands, nparts, cap, overhead)
+    margin = model.relative_error
+    best = _group(arr, part, k, terms, toks, cands, nparts, cap, overhead, margin)
     fixed_cp_cost = best["fixed_cp_cost"]
     if allow_hdp and cp_size > 1:
         # HDP-native micro-batches (shelf packing), kept only if cheaper overall; packed at
@@ -953,9 +962,10 @@ def _plan(lengths, *, cp_size, max_tokens_per_rank, min_micro_batches=1,
                     shelf_of, nsh = _split_shelves(shelf_of, nsh, min_micro_batches, tall)
                 if max_micro_batches is None or nsh <= max_micro_batches:
                     other = _group(arr, shelf_of, nsh, terms, toks, cands, nparts, cap,
-                                   overhead)
+                                   overhead, margin)
                     steps += cands.shape[0] * n
-                    if other["cost"] < best["cost"]:
+                    if other["cost"] < best["cost"] and \
+                            other["cost"] < fixed_cp_cost * (1.0 - margin):
                         best = other
     lower = _lower_bound(times_nocomm, times, toks, padded_all, cap, cp_size,
                          min_micro_batches, overhead)
@@ -982,7 +992,7 @@ def _split_shelves(shelf_of: np.ndarray, nsh: int, k_min: int, tall: np.ndarray)
     return shelf_of, nsh
 
 
-def _group(arr, part, k, terms, toks, cands, nparts, cap, overhead) -> dict:
+def _group(arr, part, k, terms, toks, cands, nparts, cap, overhead, margin) -> dict:
     """Group every micro-batch of the partition ``part`` (``k`` parts) with
     :func:`_group_kernel`: arrays of the result, its cost and the fixed-CP cost of the same
     micro-batches (sums of per-micro-batch costs, overhead included, exactly rounded)."""
@@ -992,7 +1002,7 @@ def _group(arr, part, k, terms, toks, cands, nparts, cap, overhead) -> dict:
     mb_ptr[1:] = np.cumsum(np.bincount(part, minlength=k))
     mb_items = order.astype(np.int64)
     best_part, best_cost, cp_cost, assign = _group_kernel(
-        mb_ptr, mb_items, *terms, toks, cands, nparts, np.int64(cap))
+        mb_ptr, mb_items, *terms, toks, cands, nparts, np.int64(cap), float(margin))
     return dict(mb_ptr=mb_ptr, mb_items=mb_items, best_part=best_part, best_cost=best_cost,
                 cp_cost=cp_cost, assign=assign,
                 cost=math.fsum((best_cost + overhead).tolist()),

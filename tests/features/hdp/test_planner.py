@@ -22,7 +22,9 @@ MLA = CostModel(linear_per_token=3.5e-5, attention_per_token_pair=3.6e-9,
                 per_micro_batch_overhead=0.02)
 NO_OVERHEAD = CostModel(linear_per_token=1e-6, attention_per_token_pair=1e-10,
                         kv_bytes_per_token=1e5, link_bytes_per_s=1e9, ring_step_latency=1e-3)
-MODELS = [None, GQA, MLA, NO_OVERHEAD]
+# a calibrated model's measured error: regroup only for a larger modelled gain
+MLA_WITH_ERROR = CostModel(**{**MLA.to_dict(), "relative_error": 0.1})
+MODELS = [None, GQA, MLA, NO_OVERHEAD, MLA_WITH_ERROR]
 
 
 @st.composite
@@ -93,6 +95,9 @@ def check_plan(result: HdpPlan, case: dict) -> None:
         assert math.isclose(mb.fixed_cp_cost, cp + model.per_micro_batch_overhead,
                             rel_tol=1e-9)
         assert mb.cost <= mb.fixed_cp_cost
+        if not mb.fixed_cp:  # a regrouping gains more than the model's measured error
+            overhead = model.per_micro_batch_overhead
+            assert mb.cost - overhead < (mb.fixed_cp_cost - overhead) * (1 - model.relative_error)
     # never worse than fixed CP, never below the lower bound
     assert result.cost <= result.fixed_cp_cost
     assert result.cost >= result.lower_bound * (1 - 1e-9)
@@ -321,3 +326,20 @@ def test_planning_work_grows_no_faster_than_n_log_n(cp_size, tp, cap, model):
                              min_micro_batches=cp_size, cost_model=model, tp=tp)
         per[n] = work / (n * math.log2(n))
     assert per[8192] <= 1.1 * per[1024], per
+
+
+def test_regrouping_needs_a_gain_above_the_models_measured_error():
+    lengths = [9000, 300, 200, 250, 180, 220, 310, 260]
+    kw = dict(cp_size=4, max_tokens_per_rank=4096, tp=1)
+    free = plan(lengths, **kw, cost_model=MLA)
+    assert not free.micro_batches[0].fixed_cp
+    mb = free.micro_batches[0]
+    gain = 1 - (mb.cost - MLA.per_micro_batch_overhead) / (
+        mb.fixed_cp_cost - MLA.per_micro_batch_overhead)
+    above = plan(lengths, **kw, cost_model=CostModel(**{**MLA.to_dict(),
+                                                        "relative_error": gain * 1.01}))
+    assert all(m.fixed_cp for m in above.micro_batches)
+    assert above.cost == above.fixed_cp_cost
+    below = plan(lengths, **kw, cost_model=CostModel(**{**MLA.to_dict(),
+                                                        "relative_error": gain * 0.99}))
+    assert below.digest() != above.digest() and not below.micro_batches[0].fixed_cp
