@@ -35,6 +35,7 @@ from __future__ import annotations
 from ... import flags
 from ...patching import Feature, Verified
 from ...patching.fallback import fall_back
+from .guard import GUARD
 
 
 ENABLE = flags.define(
@@ -97,8 +98,9 @@ def unsupported_reason(config) -> str:
 
 
 def enabled() -> bool:
-    """HDP runs for this process: the flag is on and no model configuration ruled it out."""
-    return bool(ENABLE.value) and not _fallback
+    """HDP runs for this process: the flag is on, no model configuration ruled it out, and the
+    guard has not measured it slower than fixed CP."""
+    return bool(ENABLE.value) and not _fallback and not GUARD.fell_back
 
 
 def check_cost_model_flag() -> str:
@@ -211,6 +213,23 @@ FEATURE.wrap("verl.utils.seqlen_balancing:rearrange_micro_batches", _rearrange, 
                     "how each is grouped (at least verl's DP-synced count) and attaches the plan",
              replaces="recipe verl 0010/0015 (bin-packing with max_token_len = total / K)",
              remove_when=REMOVE_WHEN)
+
+
+def _timed_schedule(wrapped, instance, args, kwargs):
+    from .guard import timed_schedule
+    return timed_schedule(enabled)(wrapped, instance, args, kwargs)
+
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+for _schedule in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                  "forward_backward_pipelining_with_interleaving"):
+    FEATURE.wrap(f"{SCHEDULES}:{_schedule}", _timed_schedule, name=f"hdp.guard_{_schedule[len('forward_backward_'):]}",
+                 dist="megatron-core", versions=">=0.12,<0.17", order=50,
+                 params=("forward_step_func", "data_iterator", "model", "num_microbatches", "forward_only"),
+                 reason="the measured guard: times the training step's forward/backward (synchronized over "
+                        "the ranks) against what plain CP would take, and turns HDP off for the run when it is "
+                        "measured slower (guard.py); get_forward_backward_func returns these module globals",
+                 remove_when=REMOVE_WHEN)
 
 
 def _ringattn(instance, args, kwargs):
