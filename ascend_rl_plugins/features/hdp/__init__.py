@@ -266,6 +266,31 @@ FEATURE.does_not_apply(
         "here but no sub-group attention is wired for TransformerEngine (not installable on this CPU host)")
 
 
+def cost_model_advice() -> str:
+    """What doctor says of the cost model in use ('' for a calibrated one)."""
+    try:
+        path = check_cost_model_flag()
+    except flags.FlagError:
+        return ""  # refused by name elsewhere (flag validation)
+    from .cost_model import CostModel
+    model = CostModel.load(path or None)
+    if model.calibrated:
+        return ""
+    which = f"{COST_MODEL.name}={path}" if path else "the shipped default_cost_model.json"
+    return (f"the HDP planner uses {which}, which is not calibrated on this hardware (assumed device "
+            f"numbers): run `ascend-rl hdp calibrate --out <file>` on the training cluster and set "
+            f"{COST_MODEL.name}=<file>")
+
+
+FEATURE.advise(cost_model_advice)
+
+
+def register_cli(subparsers) -> None:
+    """``ascend-rl hdp calibrate``."""
+    from .calibrate import register
+    register(subparsers)
+
+
 def _dump(layout) -> None:
     """Append this micro-batch's layout to the plan dump (ASCEND_RL_HDP_PLAN_DUMP)."""
     path = PLAN_DUMP.value

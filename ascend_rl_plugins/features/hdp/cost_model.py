@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
@@ -96,6 +96,10 @@ class CostModel:
     # the model's relative error on measured micro-batch times (calibration writes it): the
     # planner regroups only where the modelled gain over plain CP exceeds it
     relative_error: float = 0.0
+    # measured ring numbers per group size ("2", "3", ...: {"ring_step_latency": s,
+    # "link_bytes_per_s": B/s}); a size not listed uses the two fields above
+    ring_by_group_size: dict = field(default_factory=dict)
+    calibrated: bool = False  # True only in a file `ascend-rl hdp calibrate` wrote
     comment: str = ""
 
     def __post_init__(self) -> None:
@@ -112,6 +116,39 @@ class CostModel:
                                  f"(link_bytes_per_s must be > 0, relative_error < 1)")
         if not isinstance(self.comment, str):
             raise ValueError(f"CostModel.comment={self.comment!r}: expected a string")
+        if not isinstance(self.calibrated, bool):
+            raise ValueError(f"CostModel.calibrated={self.calibrated!r}: expected true or false")
+        if not isinstance(self.ring_by_group_size, dict):
+            raise ValueError(f"CostModel.ring_by_group_size={self.ring_by_group_size!r}: expected an "
+                             f"object of group size -> {{ring_step_latency, link_bytes_per_s}}")
+        ring = {}
+        for size, entry in self.ring_by_group_size.items():
+            where = f"CostModel.ring_by_group_size[{size!r}]"
+            if not str(size).isdigit() or int(size) < 2:
+                raise ValueError(f"{where}: the key must be a group size >= 2")
+            if not isinstance(entry, dict) or set(entry) != {"ring_step_latency", "link_bytes_per_s"}:
+                raise ValueError(f"{where}={entry!r}: expected exactly ring_step_latency and "
+                                 f"link_bytes_per_s")
+            latency, bandwidth = entry["ring_step_latency"], entry["link_bytes_per_s"]
+            for name, value in (("ring_step_latency", latency), ("link_bytes_per_s", bandwidth)):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value) or value < 0 \
+                        or (name == "link_bytes_per_s" and value <= 0):
+                    raise ValueError(f"{where}.{name}={value!r}: expected a finite float >= 0 "
+                                     f"(link_bytes_per_s > 0)")
+            ring[str(int(size))] = {"ring_step_latency": float(latency),
+                                    "link_bytes_per_s": float(bandwidth)}
+        object.__setattr__(self, "ring_by_group_size", ring)
+
+    def __hash__(self) -> int:  # a dict field: hash what identifies the model
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    def ring(self, group_size: int) -> tuple[float, float]:
+        """(ring step latency, link bytes per second) for a group of ``group_size`` ranks."""
+        entry = self.ring_by_group_size.get(str(int(group_size)))
+        if entry is None:
+            return self.ring_step_latency, self.link_bytes_per_s
+        return entry["ring_step_latency"], entry["link_bytes_per_s"]
 
     # -- construction ------------------------------------------------------------------------
 
@@ -202,14 +239,15 @@ class CostModel:
         work = self.linear_per_token * n + attention
         if g == 1:
             return work, np.zeros_like(work)
-        return work, self.kv_bytes_per_token * n / self.link_bytes_per_s - attention / g
+        bandwidth = self.ring(g)[1]
+        return work, self.kv_bytes_per_token * n / bandwidth - attention / g
 
     def pack_time_from_terms(self, work_sum: float, exposed_sum: float, group_size: int
                              ) -> float:
         """Per-rank seconds of a pack from the sums of :meth:`pack_terms`."""
         if group_size <= 1:
             return float(work_sum)
-        return float(work_sum + (group_size - 1) * max(0.0, self.ring_step_latency
+        return float(work_sum + (group_size - 1) * max(0.0, self.ring(group_size)[0]
                                                        + exposed_sum))
 
     def sequence_times(self, lengths, group_size: int, *, tp: int, with_comm: bool = True
@@ -220,7 +258,7 @@ class CostModel:
         g = int(group_size)
         work, exposed = self.pack_terms(lengths, g, tp=tp)
         if g > 1 and with_comm:
-            return work + (g - 1) * np.maximum(0.0, self.ring_step_latency + exposed)
+            return work + (g - 1) * np.maximum(0.0, self.ring(g)[0] + exposed)
         return work
 
     def sequence_time(self, length: int, group_size: int, *, tp: int) -> float:

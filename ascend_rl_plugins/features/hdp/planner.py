@@ -308,10 +308,11 @@ def _kk_partition(values, k):
 @njit(cache=True)
 def _pack_time(work_sum, exposed_sum, size, latency):
     """Per-rank seconds of a pack on ``size`` ranks from its summed terms (the pack formula
-    of ``cost_model.py``: one exchange of the pack's K/V per ring step)."""
+    of ``cost_model.py``: one exchange of the pack's K/V per ring step); ``latency[s-1]``:
+    the ring step latency of a group of ``s`` ranks."""
     if size <= 1:
         return work_sum
-    exposed = latency + exposed_sum
+    exposed = latency[size - 1] + exposed_sum
     if exposed < 0.0:
         exposed = 0.0
     return work_sum + (size - 1) * exposed
@@ -905,10 +906,11 @@ def _plan(lengths, *, cp_size, max_tokens_per_rank, min_micro_batches=1,
         work[:, s - 1], exposed[:, s - 1] = model.pack_terms(arr, s, tp=tp)
         times_nocomm[:, s - 1] = work[:, s - 1]
         times[:, s - 1] = work[:, s - 1] + (s - 1) * np.maximum(
-            0.0, model.ring_step_latency + exposed[:, s - 1])  # each sequence alone
+            0.0, model.ring(s)[0] + exposed[:, s - 1])  # each sequence alone
         padded_all[:, s - 1] = padded_length(arr, s, tp)
     toks = padded_all // np.arange(1, cp_size + 1, dtype=np.int64)
-    terms = (work, exposed, float(model.ring_step_latency))
+    latency = np.array([model.ring(s)[0] for s in range(1, cp_size + 1)], np.float64)
+    terms = (work, exposed, latency)
     part, k, passes = _cp_micro_batches(arr, toks[:, cp_size - 1], cap, min_micro_batches,
                                         cp_size)
     cands = _candidates(int(cp_size), group_policy, bool(allow_hdp))

@@ -189,3 +189,25 @@ def test_from_architecture_scales_with_the_parallel_layout():
     for name in ("linear_per_token", "attention_per_token_pair", "kv_bytes_per_token",
                  "ring_step_latency", "per_micro_batch_overhead"):
         assert math.isclose(getattr(default, name), getattr(tp4, name), rel_tol=1e-9), name
+
+
+def test_ring_numbers_per_group_size_replace_the_defaults_for_that_size():
+    per_size = CostModel(**{**HAND.to_dict(), "ring_by_group_size": {
+        "2": {"ring_step_latency": 0.002, "link_bytes_per_s": 2e9}}})
+    assert per_size.ring(2) == (0.002, 2e9) and per_size.ring(3) == (1e-3, 1e9)
+    # g = 2, tp = 2, the padded pack of test_a_padded_pack_priced_by_hand: the step is now
+    # 0.002 + 1000 * 516 / 2e9 = 0.002258, minus 0.000127048 = 0.002130952 exposed
+    assert math.isclose(per_size.group_time([1001, 13, 3], 2, tp=2),
+                        0.000516 + 0.000254096 + 0.002130952, rel_tol=1e-12)
+    assert per_size.group_time([1001, 13, 3], 3, tp=2) == HAND.group_time([1001, 13, 3], 3, tp=2)
+    assert CostModel.from_dict(per_size.to_dict()) == per_size
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"1": {"ring_step_latency": 0.0, "link_bytes_per_s": 1.0}}, "group size >= 2"),
+    ({"2": {"ring_step_latency": 0.0}}, "exactly ring_step_latency and link_bytes_per_s"),
+    ({"2": {"ring_step_latency": 0.0, "link_bytes_per_s": 0}}, "link_bytes_per_s=0"),
+])
+def test_bad_ring_numbers_are_refused_by_name(entry, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(**{**HAND.to_dict(), "ring_by_group_size": entry})
