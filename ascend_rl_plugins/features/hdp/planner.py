@@ -21,8 +21,9 @@ How (all deterministic, so every rank computes the identical plan from the same 
    partitions of ``R``: any sizes for ``"contiguous"``, powers of two for ``"pow2"``, plus
    plain CP) is tried; sequences, longest first, go to the group where they finish earliest
    without exceeding the cap, no group left empty. A micro-batch takes as long as its
-   slowest group; the best candidate wins, plain CP on ties, so no micro-batch is slower
-   than under CP. One numba-compiled pass over all micro-batches with pruning (a candidate
+   slowest group; the best candidate wins, plain CP on ties and on gains below the cost
+   model's measured ``relative_error`` (the margin), so no micro-batch is slower than under
+   CP. One numba-compiled pass over all micro-batches with pruning (a candidate
    is dropped once it cannot beat the best so far).
    This is done for fixed CP's micro-batches and for HDP-native ones (shelf packing: each
    sequence on the fewest ranks that run it with the least rank-seconds, tallest first;
