@@ -74,7 +74,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json:
         from . import plugin
         print(json.dumps({"title": title, "patches": [r.as_dict() for r in rows],
-                          "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes],
+                          "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes if not n.advice],
+                          "feature_advice": [n.as_dict() for n in notes if n.advice],
                           "features_through_extension_points": [e.as_dict() for e in extensions],
                           # the CLI inspects, never applies: both stay empty (tests hold it to that)
                           "activated_in_this_process": plugin.activated_by(),

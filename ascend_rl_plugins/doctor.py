@@ -120,11 +120,13 @@ def run_import_probe(python: str | None) -> dict[str, dict]:
 
 @dataclass
 class FeatureNote:
-    """A feature that cannot do its job on this stack (declared with does_not_apply)."""
+    """A feature that cannot do its job on this stack (declared with does_not_apply), or, with
+    ``advice`` set, what a switched-on feature asks to be told (declared with advise)."""
     feature: str
     why: str
     enabled: bool
     problem: bool
+    advice: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -143,6 +145,12 @@ def feature_notes(roots: Sequence[str] | None = None) -> list[FeatureNote]:
         asked = on and f.flag is not None and f.flag.explicitly_set
         for why in f.inapplicable(roots):
             notes.append(FeatureNote(name, why, on, asked))
+        if on:
+            try:
+                said = f.advice()
+            except Exception as exc:  # a broken check must not take doctor down
+                said = [f"(its doctor check failed: {type(exc).__name__}: {exc})"]
+            notes.extend(FeatureNote(name, why, on, False, advice=True) for why in said)
     return notes
 
 
@@ -241,7 +249,8 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
     for c in conflicts:
         out.print(f"[red]CONFLICT[/red] {c}")
     for n in notes:
-        head = ("[red]FEATURE DOES NOT APPLY[/red] (it is switched on)" if n.problem
+        head = ("[yellow]note[/yellow]" if n.advice else
+                "[red]FEATURE DOES NOT APPLY[/red] (it is switched on)" if n.problem
                 else "feature does not apply here")
         out.print(f"{head}: {n.feature}: {n.why}", markup=True, highlight=False)
     for e in extensions:

@@ -232,6 +232,7 @@ class Feature:
         self.patches: list[Patch] = []
         self.not_applicable: list[NotApplicable] = []
         self.extension_points: list[ExtensionPoint] = []
+        self.advisories: list[Callable[[], str]] = []
         REGISTRY.add_feature(self)
 
     def does_not_apply(self, *, dist: str, versions: str, why: str, import_name: str | None = None) -> None:
@@ -256,6 +257,16 @@ class Feature:
     def enabled_through(self, roots=None) -> list[str]:
         """How to enable this feature through an extension point of the stack at ``roots``."""
         return [r for r in (e.check(roots) for e in self.extension_points) if r]
+
+    def advise(self, check: Callable[[], str]) -> None:
+        """Declare something ``doctor`` should say while this feature is switched on: ``check()``
+        returns a line ('' when there is nothing to say). For advice, not failures: a feature
+        that cannot work declares ``does_not_apply``."""
+        self.advisories.append(check)
+
+    def advice(self) -> list[str]:
+        """What the declared checks say now (only asked while the feature is switched on)."""
+        return [line for line in (check() for check in self.advisories) if line]
 
     def inapplicable(self, roots=None) -> list[str]:
         """Reasons why this feature does not apply to the stack at ``roots`` (None: installed)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 from ... import flags
 from ...patching import Feature, Verified
 from ...patching.fallback import fall_back
+from .guard import GUARD
 
 
 ENABLE = flags.define(
@@ -97,8 +98,9 @@ def unsupported_reason(config) -> str:
 
 
 def enabled() -> bool:
-    """HDP runs for this process: the flag is on and no model configuration ruled it out."""
-    return bool(ENABLE.value) and not _fallback
+    """HDP runs for this process: the flag is on, no model configuration ruled it out, and the
+    guard has not measured it slower than fixed CP."""
+    return bool(ENABLE.value) and not _fallback and not GUARD.fell_back
 
 
 def check_cost_model_flag() -> str:
@@ -213,6 +215,23 @@ FEATURE.wrap("verl.utils.seqlen_balancing:rearrange_micro_batches", _rearrange, 
              remove_when=REMOVE_WHEN)
 
 
+def _timed_schedule(wrapped, instance, args, kwargs):
+    from .guard import timed_schedule
+    return timed_schedule(enabled)(wrapped, instance, args, kwargs)
+
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+for _schedule in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                  "forward_backward_pipelining_with_interleaving"):
+    FEATURE.wrap(f"{SCHEDULES}:{_schedule}", _timed_schedule, name=f"hdp.guard_{_schedule[len('forward_backward_'):]}",
+                 dist="megatron-core", versions=">=0.12,<0.17", order=50,
+                 params=("forward_step_func", "data_iterator", "model", "num_microbatches", "forward_only"),
+                 reason="the measured guard: times the training step's forward/backward (synchronized over "
+                        "the ranks) against what plain CP would take, and turns HDP off for the run when it is "
+                        "measured slower (guard.py); get_forward_backward_func returns these module globals",
+                 remove_when=REMOVE_WHEN)
+
+
 def _ringattn(instance, args, kwargs):
     from .mindspeed import before_ringattn
     return before_ringattn(instance, args, kwargs)
@@ -245,6 +264,31 @@ FEATURE.does_not_apply(
     why="without MindSpeed, context-parallel attention on Megatron-Core 0.13+ is TransformerEngine's "
         "(TEDotProductAttention keeps the CP group it was built with); HDP regroups RoPE and verl's packing "
         "here but no sub-group attention is wired for TransformerEngine (not installable on this CPU host)")
+
+
+def cost_model_advice() -> str:
+    """What doctor says of the cost model in use ('' for a calibrated one)."""
+    try:
+        path = check_cost_model_flag()
+    except flags.FlagError:
+        return ""  # refused by name elsewhere (flag validation)
+    from .cost_model import CostModel
+    model = CostModel.load(path or None)
+    if model.calibrated:
+        return ""
+    which = f"{COST_MODEL.name}={path}" if path else "the shipped default_cost_model.json"
+    return (f"the HDP planner uses {which}, which is not calibrated on this hardware (assumed device "
+            f"numbers): run `ascend-rl hdp calibrate --out <file>` on the training cluster and set "
+            f"{COST_MODEL.name}=<file>")
+
+
+FEATURE.advise(cost_model_advice)
+
+
+def register_cli(subparsers) -> None:
+    """``ascend-rl hdp calibrate``."""
+    from .calibrate import register
+    register(subparsers)
 
 
 def _dump(layout) -> None:

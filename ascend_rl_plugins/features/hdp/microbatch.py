@@ -53,8 +53,9 @@ def _sync_max(value: int, group) -> int:
 
 
 def form(lengths, k_verl: int, *, cp_size: int, tp: int, max_token_len: int, dp_group, same_in_dp: bool,
-         divisible_by: int | None, policy: str, cost_model_path: str):
-    """(HdpPlan, why not): the planner's micro-batches, or None and the reason to keep verl's."""
+         divisible_by: int | None, policy: str, cost_model_path: str, allow_hdp: bool = True):
+    """(HdpPlan, why not): the planner's micro-batches, or None and the reason to keep verl's.
+    ``allow_hdp=False``: the planner's plain-CP micro-batches (the guard's CP probe)."""
     from . import cost_model as cm
     from . import planner
     from .layout import padded
@@ -65,7 +66,8 @@ def form(lengths, k_verl: int, *, cp_size: int, tp: int, max_token_len: int, dp_
     def attempt(k_min, k_max=None):
         try:
             return planner.plan(list(lengths), cp_size=cp_size, max_tokens_per_rank=cap, min_micro_batches=k_min,
-                                max_micro_batches=k_max, group_policy=policy, cost_model=model, tp=tp), ""
+                                max_micro_batches=k_max, group_policy=policy, cost_model=model, tp=tp,
+                                allow_hdp=allow_hdp), ""
         except ValueError as exc:
             return None, f"the planner refused this batch ({exc})"
 
@@ -116,11 +118,13 @@ def wrap_rearrange(enabled, policy_flag, cost_model_flag):
             return micro_batches, partitions
         lengths = [int(x) for x in batch["attention_mask"].sum(dim=1).tolist()]
         import torch.distributed as dist
+
+        from .guard import GUARD, StepPlan
         result, why = form(lengths, len(partitions), cp_size=cp_size, tp=tp, max_token_len=int(bound["max_token_len"]),
                            dp_group=bound.get("dp_group"),
                            same_in_dp=bool(bound.get("same_micro_num_in_dp", True)) and dist.is_initialized(),
                            divisible_by=bound.get("num_batches_divided_by"), policy=policy_flag.value,
-                           cost_model_path=cost_model_flag.value or "")
+                           cost_model_path=cost_model_flag.value or "", allow_hdp=not GUARD.wants_cp_probe())
         if result is None:
             fall_back("hdp", "verl's own micro-batches", why)
             return micro_batches, partitions
@@ -136,6 +140,7 @@ def wrap_rearrange(enabled, policy_flag, cost_model_flag):
                      mb.group_of)
             out_batches.append(selected)
             out_parts.append(rows)
+        GUARD.note_plan(StepPlan.of(result))
         return out_batches, out_parts
 
     return _wrapper

@@ -21,8 +21,9 @@ How (all deterministic, so every rank computes the identical plan from the same 
    partitions of ``R``: any sizes for ``"contiguous"``, powers of two for ``"pow2"``, plus
    plain CP) is tried; sequences, longest first, go to the group where they finish earliest
    without exceeding the cap, no group left empty. A micro-batch takes as long as its
-   slowest group; the best candidate wins, plain CP on ties, so no micro-batch is slower
-   than under CP. One numba-compiled pass over all micro-batches with pruning (a candidate
+   slowest group; the best candidate wins, plain CP on ties and on gains below the cost
+   model's measured ``relative_error`` (the margin), so no micro-batch is slower than under
+   CP. One numba-compiled pass over all micro-batches with pruning (a candidate
    is dropped once it cannot beat the best so far).
    This is done for fixed CP's micro-batches and for HDP-native ones (shelf packing: each
    sequence on the fewest ranks that run it with the least rank-seconds, tallest first;
@@ -38,6 +39,13 @@ How (all deterministic, so every rank computes the identical plan from the same 
    communication), (the slowest sequence at its best group size) and (the sum over "big"
    sequences, which cannot share a micro-batch under the cap, of their best times), plus the
    overhead of the fewest micro-batches the cap allows.
+
+Planning time is O(n log n) in the number of sequences ``n`` (times a factor of the
+candidate partitions of ``R``, and ``log K`` capped-balance passes when the cap raises K):
+the capped balance keeps micro-batches in two heaps (:func:`_capped_lpt`), the unit packing
+in one segment tree per load (:func:`_unit_kernel`), and shelf packing visits only open
+shelves, at most ``_SHELF_WINDOW`` per sequence (:func:`_shelf_kernel`).
+:func:`planning_work` counts the steps, which the tests compare across sizes.
 
 The plan is data attached to the micro-batches (``HdpPlan``), never process state; it
 serializes to JSON and has a digest so ranks can cross-check it. No torch here.
@@ -299,12 +307,29 @@ def _kk_partition(values, k):
 
 
 @njit(cache=True)
-def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
+def _pack_time(work_sum, exposed_sum, size, latency):
+    """Per-rank seconds of a pack on ``size`` ranks from its summed terms (the pack formula
+    of ``cost_model.py``: one exchange of the pack's K/V per ring step); ``latency[s-1]``:
+    the ring step latency of a group of ``s`` ranks."""
+    if size <= 1:
+        return work_sum
+    exposed = latency[size - 1] + exposed_sum
+    if exposed < 0.0:
+        exposed = 0.0
+    return work_sum + (size - 1) * exposed
+
+
+@njit(cache=True)
+def _group_kernel(mb_ptr, mb_items, work, exposed, latency, toks, parts, nparts, cap,
+                  margin):
     """For every micro-batch (items ``mb_items[mb_ptr[b]:mb_ptr[b+1]]``, longest first), the
     best candidate rank partition (row of ``parts``; row 0 is plain CP) and the group slot
-    of every item. ``times[i, s-1]``/``toks[i, s-1]``: per-rank seconds/tokens of item ``i``
-    on a group of ``s`` ranks. Greedy earliest-finish assignment under the token cap with no
-    group left empty; a candidate wins only if strictly faster (ties keep CP)."""
+    of every item. ``work[i, s-1]``/``exposed[i, s-1]``: the pack terms of item ``i`` on a
+    group of ``s`` ranks (a group's time is :func:`_pack_time` of their sums);
+    ``toks[i, s-1]``: its per-rank tokens. Greedy earliest-finish assignment under the token
+    cap with no group left empty; a candidate wins only if strictly faster than the best so
+    far and than plain CP by more than ``margin`` (the model's measured relative error:
+    ties, and gains the model cannot vouch for, keep CP)."""
     nmb = mb_ptr.shape[0] - 1
     ncand = parts.shape[0]
     width = parts.shape[1]
@@ -314,12 +339,15 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
     assign = np.zeros(mb_items.shape[0], np.int64)
     trial = np.zeros(mb_items.shape[0], np.int64)
     load = np.zeros(width, np.float64)
+    wsum = np.zeros(width, np.float64)
+    xsum = np.zeros(width, np.float64)
     tok = np.zeros(width, np.int64)
     count = np.zeros(width, np.int64)
     for b in range(nmb):
         lo, hi = mb_ptr[b], mb_ptr[b + 1]
         m = hi - lo
         best = np.inf
+        bar = np.inf  # what a regrouping must beat
         bp = -1
         for p in range(ncand):
             q = nparts[p]
@@ -327,6 +355,8 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
                 continue
             for j in range(q):
                 load[j] = 0.0
+                wsum[j] = 0.0
+                xsum[j] = 0.0
                 tok[j] = 0
                 count[j] = 0
             empty = q
@@ -342,17 +372,20 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
                     s = parts[p, j]
                     if tok[j] + toks[i, s - 1] > cap:
                         continue
-                    c = load[j] + times[i, s - 1]
+                    c = _pack_time(wsum[j] + work[i, s - 1], xsum[j] + exposed[i, s - 1], s,
+                                   latency)
                     if c < finish:
                         finish = c
                         chosen = j
-                if chosen < 0 or (p > 0 and finish >= best):
+                if chosen < 0 or (p > 0 and finish >= bar):
                     ok = False
                     break
                 if count[chosen] == 0:
                     empty -= 1
                 count[chosen] += 1
                 load[chosen] = finish
+                wsum[chosen] += work[i, parts[p, chosen] - 1]
+                xsum[chosen] += exposed[i, parts[p, chosen] - 1]
                 tok[chosen] += toks[i, parts[p, chosen] - 1]
                 trial[t] = chosen
             if not ok:
@@ -363,64 +396,117 @@ def _group_kernel(mb_ptr, mb_items, times, toks, parts, nparts, cap):
                     slowest = load[j]
             if p == 0:
                 cp_cost[b] = slowest
-            if slowest < best:
-                best = slowest
-                bp = p
-                for t in range(lo, hi):
-                    assign[t] = trial[t]
+                bar = slowest * (1.0 - margin)
+            elif slowest < bar:
+                bar = slowest
+            else:
+                continue
+            best = slowest
+            bp = p
+            for t in range(lo, hi):
+                assign[t] = trial[t]
         best_part[b] = bp
         best_cost[b] = best
     return best_part, best_cost, cp_cost, assign
 
 
 @njit(cache=True)
-def _shelf_kernel(order, native, times, toks, cp_tokens, cap, cp_size):
+def _shelf_kernel(order, native, times, work, exposed, latency, toks, cp_tokens, cap, cp_size,
+                  increase_floor, window):
     """Micro-batches formed for HDP (shelf packing, first-fit-decreasing-height style).
 
     Items come tallest first (``order``: by their time on their ``native`` group size, the
     allowed size that fits the cap with the least rank-seconds). A micro-batch is a shelf of
     ``cp_size`` ranks whose height is its first (tallest) item's time; later items join an
     existing group of a shelf, or open a group of their native size on the shelf's free
-    ranks, wherever they fit under the height and the token cap with the least slack left.
-    Each shelf also stays within the cap under plain CP (so CP is always a valid fallback
-    for it). Returns the shelf of every item and the shelf count; the grouping itself is
-    then chosen by :func:`_group_kernel` like for any micro-batch."""
+    ranks, wherever they fit under the height and the token cap with the least slack left
+    (ties: the earliest shelf). Each shelf also stays within the cap under plain CP (so CP
+    is always a valid fallback for it). Returns the shelf of every item, the shelf count and
+    the number of shelf visits (the work done, for the complexity test); the grouping itself
+    is then chosen by :func:`_group_kernel` like for any micro-batch.
+
+    Linear time: only *open* shelves are visited, at most ``window`` of them per item, the
+    most recently opened first. A shelf closes for good when no later item can join it:
+    its plain-CP tokens plus the fewest of any later item exceed the cap, or every group's
+    slack under the height (and, with free ranks, the height itself) is below
+    ``increase_floor[t]``, the least time any item from position ``t`` on adds to any pack
+    (a pack never gets faster by adding a sequence, see ``cost_model.py``)."""
     n = order.shape[0]
     gsize = np.zeros((n, cp_size), np.int64)
-    gload = np.zeros((n, cp_size), np.float64)
+    gwork = np.zeros((n, cp_size), np.float64)
+    gexp = np.zeros((n, cp_size), np.float64)
+    gtime = np.zeros((n, cp_size), np.float64)
     gtok = np.zeros((n, cp_size), np.int64)
     ngroups = np.zeros(n, np.int64)
     free = np.zeros(n, np.int64)
     height = np.zeros(n, np.float64)
     cptok = np.zeros(n, np.int64)
     shelf_of = np.full(n, -1, np.int64)
+    # the fewest plain-CP tokens of any item from position t on
+    least_cp = np.empty(n + 1, np.int64)
+    least_cp[n] = cap + 1
+    for t in range(n - 1, -1, -1):
+        least_cp[t] = min(least_cp[t + 1], cp_tokens[order[t]])
+    open_list = np.empty(n, np.int64)
+    nopen = 0
     nsh = 0
+    visits = 0
     for t in range(n):
         i = order[t]
         g0 = native[i]
         best_sh = -1
         best_slot = -1
         best_slack = np.inf
-        for sh in range(nsh):
-            if cptok[sh] + cp_tokens[i] > cap:
-                continue
+        floor = increase_floor[t]
+        low = max(0, nopen - window)
+        for idx in range(nopen - 1, low - 1, -1):
+            sh = open_list[idx]
+            visits += 1
             h = height[sh]
-            for j in range(ngroups[sh]):
-                sz = gsize[sh, j]
-                nl = gload[sh, j] + times[i, sz - 1]
-                if nl <= h and gtok[sh, j] + toks[i, sz - 1] <= cap and h - nl < best_slack:
-                    best_slack = h - nl
+            if cptok[sh] + least_cp[t] > cap:
+                open_list[idx] = -1
+                continue
+            alive = free[sh] > 0 and h >= floor
+            shelf_slack = np.inf
+            shelf_slot = -1
+            if cptok[sh] + cp_tokens[i] <= cap:
+                for j in range(ngroups[sh]):
+                    if h - gtime[sh, j] >= floor:
+                        alive = True
+                    sz = gsize[sh, j]
+                    nl = _pack_time(gwork[sh, j] + work[i, sz - 1],
+                                    gexp[sh, j] + exposed[i, sz - 1], sz, latency)
+                    if nl <= h and gtok[sh, j] + toks[i, sz - 1] <= cap and h - nl < shelf_slack:
+                        shelf_slack = h - nl
+                        shelf_slot = j
+                if free[sh] >= g0 and times[i, g0 - 1] <= h and \
+                        h - times[i, g0 - 1] < shelf_slack:
+                    shelf_slack = h - times[i, g0 - 1]
+                    shelf_slot = -1
+                if shelf_slack <= best_slack and shelf_slack < np.inf:
+                    best_slack = shelf_slack
                     best_sh = sh
-                    best_slot = j
-            if free[sh] >= g0 and times[i, g0 - 1] <= h and h - times[i, g0 - 1] < best_slack:
-                best_slack = h - times[i, g0 - 1]
-                best_sh = sh
-                best_slot = -1
+                    best_slot = shelf_slot
+            else:
+                for j in range(ngroups[sh]):
+                    if h - gtime[sh, j] >= floor:
+                        alive = True
+            if not alive:
+                open_list[idx] = -1
+        # drop the closed shelves from the visited tail of the open list
+        w = low
+        for idx in range(low, nopen):
+            if open_list[idx] >= 0:
+                open_list[w] = open_list[idx]
+                w += 1
+        nopen = w
         if best_sh < 0:
             best_sh = nsh
             nsh += 1
             height[best_sh] = times[i, g0 - 1]
             free[best_sh] = cp_size
+            open_list[nopen] = best_sh
+            nopen += 1
         sh = best_sh
         if best_slot < 0:
             best_slot = ngroups[sh]
@@ -428,11 +514,36 @@ def _shelf_kernel(order, native, times, toks, cp_tokens, cap, cp_size):
             gsize[sh, best_slot] = g0
             free[sh] -= g0
         sz = gsize[sh, best_slot]
-        gload[sh, best_slot] += times[i, sz - 1]
+        gwork[sh, best_slot] += work[i, sz - 1]
+        gexp[sh, best_slot] += exposed[i, sz - 1]
+        gtime[sh, best_slot] = _pack_time(gwork[sh, best_slot], gexp[sh, best_slot], sz,
+                                          latency)
         gtok[sh, best_slot] += toks[i, sz - 1]
         cptok[sh] += cp_tokens[i]
         shelf_of[i] = sh
-    return shelf_of, nsh
+    return shelf_of, nsh, visits
+
+
+@njit(cache=True)
+def _tree_set(tree, size, pos, value):
+    """Point update of a min segment tree (leaves at ``size + pos``)."""
+    k = size + pos
+    tree[k] = value
+    k //= 2
+    while k >= 1:
+        tree[k] = min(tree[2 * k], tree[2 * k + 1])
+        k //= 2
+
+
+@njit(cache=True)
+def _tree_first_at_most(tree, size, limit):
+    """Lowest leaf index whose value is ``<= limit`` (-1 if none), O(log size)."""
+    if tree[1] > limit:
+        return -1
+    k = 1
+    while k < size:
+        k = 2 * k if tree[2 * k] <= limit else 2 * k + 1
+    return k - size
 
 
 @njit(cache=True)
@@ -441,36 +552,50 @@ def _unit_kernel(order, units, cp_tokens, cap, cp_size):
     ``units[i]`` ranks (the fewest that fit it under the cap), a micro-batch holds
     ``cp_size`` units and, so CP stays a valid fallback, at most the cap under plain CP.
     Items in ``order`` (most units first); each goes to the micro-batch it fills most
-    tightly. Returns the micro-batch of every item and the count."""
+    tightly (ties: the earliest). Returns the micro-batch of every item, the count and the
+    number of tree steps (the work done, for the complexity test).
+
+    O(n * cp_size * log n): one min segment tree per unit load ``1..cp_size`` over the
+    micro-batches' plain-CP tokens (absent: a value above the cap), so the earliest
+    micro-batch of a load with room for the item's tokens is one descent."""
     n = order.shape[0]
+    size = 1
+    while size < n:
+        size *= 2
+    absent = cap + 1
+    trees = np.full((cp_size + 1, 2 * size), absent, np.int64)
     load = np.zeros(n, np.int64)
     cptok = np.zeros(n, np.int64)
     bin_of = np.full(n, -1, np.int64)
     nb = 0
+    steps = 0
     for t in range(n):
         i = order[t]
         best = -1
-        left_best = cp_size + 1
-        for b in range(nb):
-            left = cp_size - load[b] - units[i]
-            if left >= 0 and left < left_best and cptok[b] + cp_tokens[i] <= cap:
+        for level in range(cp_size - units[i], 0, -1):  # least left over first
+            steps += 1
+            b = _tree_first_at_most(trees[level], size, cap - cp_tokens[i])
+            if b >= 0:
                 best = b
-                left_best = left
-                if left == 0:
-                    break
+                break
         if best < 0:
             best = nb
             nb += 1
+        else:
+            _tree_set(trees[load[best]], size, best, absent)
         load[best] += units[i]
         cptok[best] += cp_tokens[i]
+        if load[best] < cp_size:
+            _tree_set(trees[load[best]], size, best, cptok[best])
         bin_of[i] = best
-    return bin_of, nb
+    return bin_of, nb, steps
 
 
 # -- candidates -------------------------------------------------------------------------------
 
 _MAX_FULL_ENUMERATION = 16  # R <= 16: all integer partitions (231 at R = 16)
 _NATIVE_TOLERANCE = 0.01  # sizes within 1% of the least rank-seconds count as equal
+_SHELF_WINDOW = 64  # open shelves visited per item (the most recent): keeps packing linear
 _SHELF_CAP_FRACTIONS = (1.0, 0.85)  # formation caps tried for HDP-native micro-batches
 _KK_MAX_PARTS = 64  # Karmarkar-Karp is O(n K log K); beyond this K only the capped balance
 
@@ -539,48 +664,119 @@ def _validate(lengths, cp_size, max_tokens_per_rank, min_micro_batches, group_po
 
 
 def _cp_micro_batches(lengths: np.ndarray, cp_tokens: np.ndarray, cap: int, k_min: int,
-                      cp_size: int) -> tuple[np.ndarray, int]:
-    """verl's micro-batch formation for fixed CP, made strict. Fixed CP's modelled cost
-    depends on the micro-batch count only (every sequence runs on all ranks), so what matters
+                      cp_size: int) -> tuple[np.ndarray, int, int]:
+    """verl's micro-batch formation for fixed CP, made strict (the baseline: what stock
+    verl runs; under the pack model its cost also depends on which sequences share a pack,
+    so the partition is verl's own balance, not one tuned to the model). What matters first
     is K: verl's ``K = max(K_min, min(n, ceil(sum L / (R * cap))))`` whenever some partition
     at that K fits the cap. Tried at verl's K: a capped balance of verl's workload
     (:func:`_capped_lpt`, like verl's ``greedy_partition`` but never over the cap), then
     verl's own Karmarkar-Karp partition (for K <= 64; verl never re-checks the budget after
     balancing, so it may overflow). If neither fits, the smallest larger K at which the
-    capped balance fits (gallop, then bisect)."""
+    capped balance fits (gallop, then bisect). The third value counts the capped-balance
+    passes (each O(n log K); the gallop and bisection make O(log K) of them)."""
     n = lengths.size
     k = max(k_min, min(n, -(-int(lengths.sum()) // (cp_size * cap))))
     workload = VERL_WORKLOAD_LINEAR * lengths + lengths * lengths
     order = np.lexsort((np.arange(n), -workload)).astype(np.int64)
     part = _capped_lpt(order, workload, cp_tokens, np.int64(cap), k)
+    passes = 1
     if part[0] >= 0:
-        return part, k
+        return part, k, passes
     if k <= _KK_MAX_PARTS and int(cp_tokens.sum()) <= k * cap:
         part = _kk_partition(workload, k)
         per_mb = np.bincount(part, weights=cp_tokens, minlength=k)
         if (per_mb <= cap).all() and (np.bincount(part, minlength=k) > 0).all():
-            return part, k
+            return part, k, passes
     cap64 = np.int64(cap)
     # smallest K (from verl's) at which the capped balance fits: gallop, then bisect
     low, step, found = k, 1, None
     while found is None:
         trial = min(n, low + step)
         part = _capped_lpt(order, workload, cp_tokens, cap64, trial)
+        passes += 1
         if part[0] >= 0:
             found = (part, trial)
         elif trial >= n:  # every sequence alone fits (validated): unreachable
-            return np.arange(n, dtype=np.int64), n
+            return np.arange(n, dtype=np.int64), n, passes
         else:
             low, step = trial, step * 2
     high_part, high = found
     while high - low > 1:
         mid = (low + high) // 2
         part = _capped_lpt(order, workload, cp_tokens, cap64, mid)
+        passes += 1
         if part[0] >= 0:
             high_part, high = part, mid
         else:
             low = mid
-    return high_part, high
+    return high_part, high, passes
+
+
+@njit(cache=True)
+def _load_before(a, b, load):
+    """Heap order of micro-batches by (load, index)."""
+    return load[a] < load[b] or (load[a] == load[b] and a < b)
+
+
+@njit(cache=True)
+def _push_by_load(heap, size, item, load):
+    heap[size] = item
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _load_before(heap[i], heap[parent], load):
+            break
+        heap[i], heap[parent] = heap[parent], heap[i]
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _pop_by_load(heap, size, load):
+    size -= 1
+    heap[0] = heap[size]
+    i = 0
+    while True:
+        left, right, best = 2 * i + 1, 2 * i + 2, i
+        if left < size and _load_before(heap[left], heap[best], load):
+            best = left
+        if right < size and _load_before(heap[right], heap[best], load):
+            best = right
+        if best == i:
+            return size
+        heap[i], heap[best] = heap[best], heap[i]
+        i = best
+
+
+@njit(cache=True)
+def _push_by_room(heap, size, item, room):
+    heap[size] = item
+    i = size
+    while i > 0:
+        parent = (i - 1) // 2
+        if room[heap[i]] <= room[heap[parent]]:
+            break
+        heap[i], heap[parent] = heap[parent], heap[i]
+        i = parent
+    return size + 1
+
+
+@njit(cache=True)
+def _pop_by_room(heap, size, room):
+    size -= 1
+    heap[0] = heap[size]
+    i = 0
+    while True:
+        left, right, best = 2 * i + 1, 2 * i + 2, i
+        if left < size and room[heap[left]] > room[heap[best]]:
+            best = left
+        if right < size and room[heap[right]] > room[heap[best]]:
+            best = right
+        if best == i:
+            return size
+        heap[i], heap[best] = heap[best], heap[i]
+        i = best
 
 
 @njit(cache=True)
@@ -588,31 +784,51 @@ def _capped_lpt(order, workload, tokens, cap, k):
     """Longest-processing-time balance of ``workload`` over ``k`` micro-batches in ``order``
     (heaviest first): each item joins the least-loaded micro-batch with room for its tokens
     (ties: lowest index). Empty micro-batches are filled first so none stays empty.
-    ``part[0] == -1``: some item fit nowhere (the caller raises K)."""
+    ``part[0] == -1``: some item fit nowhere (the caller raises K).
+
+    O(n log k): micro-batches with room for the current item wait in a heap by (load,
+    index); those without wait in a heap by room and come back once an item small enough
+    arrives (a micro-batch's room only shrinks, and only when it takes an item)."""
     n = order.shape[0]
     part = np.full(n, -1, np.int64)
     load = np.zeros(k, np.int64)
-    used = np.zeros(k, np.int64)
+    room = np.full(k, cap, np.int64)
     count = np.zeros(k, np.int64)
+    fits = np.arange(k).astype(np.int64)  # a heap already: equal loads, ascending index
+    nfits = k
+    full = np.empty(k, np.int64)
+    nfull = 0
     empty = k
     for t in range(n):
         i = order[t]
-        force = (n - t) <= empty
+        need = tokens[i]
+        while nfull > 0 and room[full[0]] >= need:
+            b = full[0]
+            nfull = _pop_by_room(full, nfull, room)
+            nfits = _push_by_load(fits, nfits, b, load)
         chosen = -1
-        for b in range(k):
-            if used[b] + tokens[i] > cap or (force and count[b] > 0):
-                continue
-            if chosen < 0 or load[b] < load[chosen]:
+        while nfits > 0:
+            b = fits[0]
+            nfits = _pop_by_load(fits, nfits, load)
+            if room[b] >= need:
                 chosen = b
-        if chosen < 0:
+                break
+            nfull = _push_by_room(full, nfull, b, room)
+        # when only as many items are left as empty micro-batches, each must open one: the
+        # least-loaded micro-batch with room is then an empty one (load 0), or none is left
+        if chosen < 0 or ((n - t) <= empty and count[chosen] > 0):
             part[0] = -1
             return part
         if count[chosen] == 0:
             empty -= 1
         part[i] = chosen
         load[chosen] += workload[i]
-        used[chosen] += tokens[i]
+        room[chosen] -= need
         count[chosen] += 1
+        if room[chosen] >= need:
+            nfits = _push_by_load(fits, nfits, chosen, load)
+        else:
+            nfull = _push_by_room(full, nfull, chosen, room)
     return part
 
 
@@ -655,6 +871,23 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
     the counts, re-plan with both set to it; a rank whose count still differs re-plans
     with fixed CP's count, all-reduced the same way).
     Invalid input is a ``ValueError``."""
+    return _plan(lengths, cp_size=cp_size, max_tokens_per_rank=max_tokens_per_rank,
+                 min_micro_batches=min_micro_batches, group_policy=group_policy,
+                 cost_model=cost_model, tp=tp, allow_hdp=allow_hdp,
+                 max_micro_batches=max_micro_batches)[0]
+
+
+def planning_work(lengths: Sequence[int], **kwargs) -> int:
+    """How much work :func:`plan` does for these arguments, counted in the steps of its
+    inner loops (items through a capped-balance pass, shelf visits, unit-tree levels,
+    candidate partitions tried per item): the complexity test compares it across sizes,
+    where a timing on a shared machine would say little."""
+    return _plan(lengths, **kwargs)[1]
+
+
+def _plan(lengths, *, cp_size, max_tokens_per_rank, min_micro_batches=1,
+          group_policy="contiguous", cost_model=None, tp=1, allow_hdp=True,
+          max_micro_batches=None) -> tuple[HdpPlan, int]:
     arr = _validate(lengths, cp_size, max_tokens_per_rank, min_micro_batches, group_policy, tp)
     if max_micro_batches is not None and (
             isinstance(max_micro_batches, bool) or not isinstance(max_micro_batches, int)
@@ -667,17 +900,26 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
     # per-sequence, per-group-size tables (vectorized, one numpy pass per size)
     times = np.empty((n, cp_size), np.float64)
     times_nocomm = np.empty((n, cp_size), np.float64)
+    work = np.empty((n, cp_size), np.float64)
+    exposed = np.empty((n, cp_size), np.float64)
     padded_all = np.empty((n, cp_size), np.int64)
     for s in range(1, cp_size + 1):
-        times[:, s - 1] = model.sequence_times(arr, s, tp=tp)
-        times_nocomm[:, s - 1] = model.sequence_times(arr, s, tp=tp, with_comm=False)
+        work[:, s - 1], exposed[:, s - 1] = model.pack_terms(arr, s, tp=tp)
+        times_nocomm[:, s - 1] = work[:, s - 1]
+        times[:, s - 1] = work[:, s - 1] + (s - 1) * np.maximum(
+            0.0, model.ring(s)[0] + exposed[:, s - 1])  # each sequence alone
         padded_all[:, s - 1] = padded_length(arr, s, tp)
     toks = padded_all // np.arange(1, cp_size + 1, dtype=np.int64)
-    part, k = _cp_micro_batches(arr, toks[:, cp_size - 1], cap, min_micro_batches, cp_size)
+    latency = np.array([model.ring(s)[0] for s in range(1, cp_size + 1)], np.float64)
+    terms = (work, exposed, latency)
+    part, k, passes = _cp_micro_batches(arr, toks[:, cp_size - 1], cap, min_micro_batches,
+                                        cp_size)
     cands = _candidates(int(cp_size), group_policy, bool(allow_hdp))
     nparts = (cands > 0).sum(axis=1).astype(np.int64)
+    steps = passes * n + cands.shape[0] * n
     overhead = model.per_micro_batch_overhead
-    best = _group(arr, part, k, times, toks, cands, nparts, cap, overhead)
+    margin = model.relative_error
+    best = _group(arr, part, k, terms, toks, cands, nparts, cap, overhead, margin)
     fixed_cp_cost = best["fixed_cp_cost"]
     if allow_hdp and cp_size > 1:
         # HDP-native micro-batches (shelf packing), kept only if cheaper overall; packed at
@@ -697,8 +939,15 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
             native = (near.argmax(axis=1) + 1).astype(np.int64)
             tall = times[np.arange(n), native - 1]
             order = np.lexsort((np.arange(n), -tall)).astype(np.int64)
-            shelf_of, nsh = _shelf_kernel(order, native, times, toks, toks[:, cp_size - 1],
-                                          np.int64(shelf_cap), int(cp_size))
+            # the least time a sequence adds to any pack it joins, suffix minima in order
+            floor = np.where(allowed[None, :],
+                             work + (sizes - 1)[None, :] * np.minimum(0.0, exposed),
+                             np.inf).min(axis=1)
+            floor = np.minimum.accumulate(floor[order][::-1])[::-1].copy()
+            shelf_of, nsh, visits = _shelf_kernel(
+                order, native, times, *terms, toks, toks[:, cp_size - 1],
+                np.int64(shelf_cap), int(cp_size), floor, _SHELF_WINDOW)
+            steps += int(visits)
             formations = [(shelf_of, int(nsh))]
             if fraction == 1.0:
                 # rank units: every sequence on the fewest ranks that fit it, best-fit
@@ -706,23 +955,27 @@ def plan(lengths: Sequence[int], *, cp_size: int, max_tokens_per_rank: int,
                 # without its memory overload)
                 units = ((toks <= cap) & allowed[None, :]).argmax(axis=1).astype(np.int64) + 1
                 order = np.lexsort((np.arange(n), -arr, -units)).astype(np.int64)
-                formations.append(_unit_kernel(order, units, toks[:, cp_size - 1],
-                                               np.int64(cap), int(cp_size)))
+                unit_of, nunits, tree_steps = _unit_kernel(
+                    order, units, toks[:, cp_size - 1], np.int64(cap), int(cp_size))
+                steps += int(tree_steps) * max(1, int(n).bit_length())
+                formations.append((unit_of, nunits))
             for shelf_of, nsh in formations:
                 nsh = int(nsh)
                 if nsh < min_micro_batches:
                     shelf_of, nsh = _split_shelves(shelf_of, nsh, min_micro_batches, tall)
                 if max_micro_batches is None or nsh <= max_micro_batches:
-                    other = _group(arr, shelf_of, nsh, times, toks, cands, nparts, cap,
-                                   overhead)
-                    if other["cost"] < best["cost"]:
+                    other = _group(arr, shelf_of, nsh, terms, toks, cands, nparts, cap,
+                                   overhead, margin)
+                    steps += cands.shape[0] * n
+                    if other["cost"] < best["cost"] and \
+                            other["cost"] < fixed_cp_cost * (1.0 - margin):
                         best = other
     lower = _lower_bound(times_nocomm, times, toks, padded_all, cap, cp_size,
                          min_micro_batches, overhead)
     return HdpPlan(micro_batches=_materialize(best, cands, nparts, overhead),
                    cp_size=int(cp_size), cost=float(min(best["cost"], fixed_cp_cost)),
                    fixed_cp_cost=float(fixed_cp_cost), lower_bound=float(lower), tp=int(tp),
-                   group_policy=group_policy)
+                   group_policy=group_policy), steps
 
 
 def _split_shelves(shelf_of: np.ndarray, nsh: int, k_min: int, tall: np.ndarray):
@@ -742,7 +995,7 @@ def _split_shelves(shelf_of: np.ndarray, nsh: int, k_min: int, tall: np.ndarray)
     return shelf_of, nsh
 
 
-def _group(arr, part, k, times, toks, cands, nparts, cap, overhead) -> dict:
+def _group(arr, part, k, terms, toks, cands, nparts, cap, overhead, margin) -> dict:
     """Group every micro-batch of the partition ``part`` (``k`` parts) with
     :func:`_group_kernel`: arrays of the result, its cost and the fixed-CP cost of the same
     micro-batches (sums of per-micro-batch costs, overhead included, exactly rounded)."""
@@ -752,7 +1005,7 @@ def _group(arr, part, k, times, toks, cands, nparts, cap, overhead) -> dict:
     mb_ptr[1:] = np.cumsum(np.bincount(part, minlength=k))
     mb_items = order.astype(np.int64)
     best_part, best_cost, cp_cost, assign = _group_kernel(
-        mb_ptr, mb_items, times, toks, cands, nparts, np.int64(cap))
+        mb_ptr, mb_items, *terms, toks, cands, nparts, np.int64(cap), float(margin))
     return dict(mb_ptr=mb_ptr, mb_items=mb_items, best_part=best_part, best_cost=best_cost,
                 cp_cost=cp_cost, assign=assign,
                 cost=math.fsum((best_cost + overhead).tolist()),
@@ -765,20 +1018,22 @@ def _materialize(r: dict, cands, nparts, overhead) -> tuple[MicroBatchPlan, ...]
     starts_of[:, 1:] = np.cumsum(cands, axis=1)
     group_tuples = [tuple(tuple(range(int(st[j]), int(st[j + 1])))
                           for j in range(int(q))) for st, q in zip(starts_of, nparts)]
-    mb_ptr = r["mb_ptr"].tolist()
-    items, assign = r["mb_items"], r["assign"]
+    ptr = r["mb_ptr"]
+    mb_ptr = ptr.tolist()
+    # within each micro-batch, its sequences in index order (one sort for all of them)
+    mb_id = np.repeat(np.arange(len(mb_ptr) - 1), np.diff(ptr))
+    by_index = np.lexsort((r["mb_items"], mb_id))
+    items = r["mb_items"][by_index].tolist()
+    assign = r["assign"][by_index].tolist()
     best_part = r["best_part"].tolist()
     costs = (r["best_cost"] + overhead).tolist()
     cp_costs = (r["cp_cost"] + overhead).tolist()
     out = []
     for b in range(len(mb_ptr) - 1):
         lo, hi = mb_ptr[b], mb_ptr[b + 1]
-        idx = items[lo:hi]
-        by_index = np.argsort(idx, kind="mergesort")
         p = best_part[b]
-        out.append(MicroBatchPlan(tuple(idx[by_index].tolist()), group_tuples[p],
-                                  tuple(assign[lo:hi][by_index].tolist()), p == 0,
-                                  costs[b], cp_costs[b]))
+        out.append(MicroBatchPlan(tuple(items[lo:hi]), group_tuples[p], tuple(assign[lo:hi]),
+                                  p == 0, costs[b], cp_costs[b]))
     return tuple(out)
 
 

@@ -331,6 +331,21 @@ def _dp_synced_formation(torch) -> dict:
             "plans": [None if p is None else [list(g) for g in p.groups] for p in plans]}
 
 
+def _guarded_schedule() -> dict:
+    """The schedule verl gets from Megatron-Core's ``get_forward_backward_func`` (no pipeline
+    here) is the guard's wrapper around the stock function (Megatron-Core 0.16's schedule
+    allocates on CUDA, so it is not run on this CPU)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+
+    from ascend_rl_plugins.features import hdp
+
+    fn = get_forward_backward_func()
+    inner = getattr(fn, "__wrapped__", None)
+    state = {p.name: p.outcome.state for p in hdp.FEATURE.patches}["hdp.guard_no_pipelining"]
+    return {"state": state, "wrapped": inner is not None and fn is not inner,
+            "inner": getattr(inner, "__name__", ""), "module_global": fn is schedules.forward_backward_no_pipelining}
+
+
 def _model_support(torch) -> dict:
     """Real ``GPTModel`` construction: a dense model keeps HDP; an MoE model with the
     sequence-level auxiliary loss switches it off for the process (``hdp.model_support``)."""
@@ -393,6 +408,7 @@ def run(mindspeed_double_root: str = "") -> dict:
 
         REGISTRY.activate(only=hdp.FEATURE.patches)
         out["patch_states"] = {p.name: p.outcome.state for p in hdp.FEATURE.patches}
+        out["schedule"] = _guarded_schedule()
         out.update(_rope_identity(torch, freqs))
         patched_verl = _verl_identity(torch)["stock"]
         out["verl_all_cp_equal"] = {

@@ -95,15 +95,70 @@ def test_splitting_divides_compute_but_pays_padding():
                 MODEL.sequence_time(length, 1, tp=4) * (1 - 1e-12)
 
 
+# Round numbers, so the examples below can be priced by hand.
+HAND = CostModel(linear_per_token=1e-6, attention_per_token_pair=1e-9, kv_bytes_per_token=1000.0,
+                 link_bytes_per_s=1e9, ring_step_latency=1e-3, per_micro_batch_overhead=0.05)
+
+
+def test_a_padded_pack_priced_by_hand():
+    # g = 2, tp = 2: every sequence padded to a multiple of 2*g*tp = 8
+    #   1001 -> 1008, 13 -> 16, 3 -> 8; per rank n = 504 + 8 + 4 = 516 tokens
+    # linear:    1e-6 * 516                                        = 0.000516
+    # attention: 1e-9 * (1008**2 + 16**2 + 8**2) / (2*2)
+    #          = 1e-9 * (1016064 + 256 + 64) / 4 = 1e-9 * 254096   = 0.000254096
+    # ring: g - 1 = 1 step, ONE message for the pack: 1e-3 latency + 1000 B * 516 / 1e9 B/s
+    #       = 0.001516, minus that step's attention 0.000254096 / 2 = 0.000127048
+    #       exposed                                                = 0.001388952
+    # total                                                        = 0.002159048
+    assert math.isclose(HAND.group_time([1001, 13, 3], 2, tp=2), 0.002159048, rel_tol=1e-12)
+    # priced per sequence, each pays its own latency (the two short ones one step each) and
+    # hides its transfer behind its own attention only:
+    #   1001: 0.000504 + 0.000254016 + (0.001504 - 0.000127008) = 0.002135008
+    #     13: 0.000008 + 0.000000064 + (0.001008 - 0.000000032) = 0.001016032
+    #      3: 0.000004 + 0.000000016 + (0.001004 - 0.000000008) = 0.001008008
+    assert math.isclose(HAND.group_time([1001, 13, 3], 2, tp=2, ring="sequence"), 0.004159048,
+                        rel_tol=1e-12)
+    # g = 1, tp = 2: padded to tp only, 5 -> 6: 1e-6 * 6 + 1e-9 * 6**2 / 2 = 0.000006018
+    assert math.isclose(HAND.group_time([5], 1, tp=2), 0.000006018, rel_tol=1e-12)
+    # the micro-batch: its slowest group plus 0.05 s of overhead
+    assert math.isclose(HAND.micro_batch_time([([1001, 13, 3], 2), ([5], 1), ([7], 1)], tp=2),
+                        0.052159048, rel_tol=1e-12)
+
+
+def test_a_long_sequence_hides_the_short_ones_transfer_by_hand():
+    # g = 2, tp = 1 (multiple 4): 40000 and 100 tokens, n = 20000 + 50 = 20050 per rank
+    # linear 1e-6 * 20050 = 0.02005; attention 1e-9 * (40000**2 + 100**2) / 4 = 0.4000025
+    # the step's transfer 1e-3 + 1000 * 20050 / 1e9 = 0.02105 < its attention 0.20000125:
+    # nothing exposed, total 0.4200525
+    assert math.isclose(HAND.group_time([40000, 100], 2, tp=1), 0.4200525, rel_tol=1e-12)
+    # per sequence the long one alone is 0.02 + 0.4 (nothing exposed) and the short one's
+    # step is exposed on its own: 0.00005 + 0.0000025 + (0.00105 - 0.00000125) = 0.00110125
+    assert math.isclose(HAND.group_time([40000, 100], 2, tp=1, ring="sequence"),
+                        0.42110125, rel_tol=1e-12)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 40000), min_size=1, max_size=20), st.integers(1, 8),
-       st.sampled_from([1, 4]))
-def test_group_time_is_the_sum_of_sequence_times(lengths, group_size, tp):
-    total = MODEL.group_time(lengths, group_size, tp=tp)
+       st.sampled_from([1, 4]), st.integers(1, 40000))
+def test_pack_pricing_against_per_sequence_pricing(lengths, group_size, tp, extra):
+    pack = MODEL.group_time(lengths, group_size, tp=tp)
     parts = [MODEL.sequence_time(x, group_size, tp=tp) for x in lengths]
-    assert math.isclose(total, math.fsum(parts), rel_tol=1e-9)
+    # per-sequence pricing is the sum of the sequences alone, and never cheaper than the pack
+    per_sequence = MODEL.group_time(lengths, group_size, tp=tp, ring="sequence")
+    assert math.isclose(per_sequence, math.fsum(parts), rel_tol=1e-9)
+    assert pack <= per_sequence * (1 + 1e-12)
+    # a pack of one is the sequence alone; no pack is faster than its slowest member alone
+    assert math.isclose(MODEL.group_time(lengths[:1], group_size, tp=tp), parts[0],
+                        rel_tol=1e-12)
+    assert pack >= max(parts) * (1 - 1e-12)
+    # adding a sequence never makes a pack faster; on one rank there is no ring at all
+    assert MODEL.group_time(lengths + [extra], group_size, tp=tp) >= pack * (1 - 1e-12)
+    if group_size == 1:
+        assert math.isclose(pack, per_sequence, rel_tol=1e-9)
     vector = MODEL.sequence_times(np.array(lengths), group_size, tp=tp)
     assert np.allclose(vector, parts, rtol=1e-12)
+    with pytest.raises(ValueError, match="ring='ring'"):
+        MODEL.group_time(lengths, group_size, tp=tp, ring="ring")
 
 
 def test_micro_batch_time_is_the_slowest_group_plus_overhead():
@@ -134,3 +189,25 @@ def test_from_architecture_scales_with_the_parallel_layout():
     for name in ("linear_per_token", "attention_per_token_pair", "kv_bytes_per_token",
                  "ring_step_latency", "per_micro_batch_overhead"):
         assert math.isclose(getattr(default, name), getattr(tp4, name), rel_tol=1e-9), name
+
+
+def test_ring_numbers_per_group_size_replace_the_defaults_for_that_size():
+    per_size = CostModel(**{**HAND.to_dict(), "ring_by_group_size": {
+        "2": {"ring_step_latency": 0.002, "link_bytes_per_s": 2e9}}})
+    assert per_size.ring(2) == (0.002, 2e9) and per_size.ring(3) == (1e-3, 1e9)
+    # g = 2, tp = 2, the padded pack of test_a_padded_pack_priced_by_hand: the step is now
+    # 0.002 + 1000 * 516 / 2e9 = 0.002258, minus 0.000127048 = 0.002130952 exposed
+    assert math.isclose(per_size.group_time([1001, 13, 3], 2, tp=2),
+                        0.000516 + 0.000254096 + 0.002130952, rel_tol=1e-12)
+    assert per_size.group_time([1001, 13, 3], 3, tp=2) == HAND.group_time([1001, 13, 3], 3, tp=2)
+    assert CostModel.from_dict(per_size.to_dict()) == per_size
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"1": {"ring_step_latency": 0.0, "link_bytes_per_s": 1.0}}, "group size >= 2"),
+    ({"2": {"ring_step_latency": 0.0}}, "exactly ring_step_latency and link_bytes_per_s"),
+    ({"2": {"ring_step_latency": 0.0, "link_bytes_per_s": 0}}, "link_bytes_per_s=0"),
+])
+def test_bad_ring_numbers_are_refused_by_name(entry, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(**{**HAND.to_dict(), "ring_by_group_size": entry})

@@ -89,3 +89,16 @@ def test_the_rewrite_is_a_copy_for_the_rank_s_group():
     assert cp_para["cp_size"] == 4 and cp_para["cp_global_ranks"] == [8, 9, 10, 11]
     with pytest.raises(ValueError, match="not the plan's CP rank"):
         sub_ring_cp_para(dict(cp_para, rank=1), layout)
+
+
+def test_the_rewritten_rank_is_the_position_in_the_group_not_the_cp_rank():
+    # CP rank 3 is position 1 of the group (2, 3): MindSpeed picks the zigzag chunks and the
+    # ring neighbours of ``rank`` within ``cp_global_ranks``, so it must be 1 here
+    layout = HdpLayout((30, 7, 9), ((0, 1), (2, 3)), (1, 0, 0), cp_rank=3)
+    cp_para = {"rank": 3, "cp_size": 4, "cp_global_ranks": [8, 9, 10, 11], "cp_outer_ranks": [8, 9, 10, 11],
+               "cp_inner_ranks": [8, 9, 10, 11], "cp_group": "G"}
+    got = sub_ring_cp_para(cp_para, layout)
+    assert got["rank"] == 1 and got["cp_size"] == 2
+    assert got["cp_global_ranks"] == got["cp_outer_ranks"] == got["cp_dkv_outer_ranks"] == [10, 11]
+    assert got["cp_global_ranks"][got["rank"]] == 11  # this rank's own global rank
+    assert got["cp_inner_ranks"] == [11]

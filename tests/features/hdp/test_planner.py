@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from ascend_rl_plugins.features.hdp.cost_model import CostModel, pad_multiple, padded_length
 from ascend_rl_plugins.features.hdp.planner import (
-    GROUP_POLICIES, HdpPlan, MicroBatchPlan, plan, split_for_group)
+    GROUP_POLICIES, HdpPlan, MicroBatchPlan, plan, planning_work, split_for_group)
 
 # A GQA-like and an MLA-like model (small models are enough: the properties hold for any
 # non-negative cost model) plus the shipped default.
@@ -22,7 +22,9 @@ MLA = CostModel(linear_per_token=3.5e-5, attention_per_token_pair=3.6e-9,
                 per_micro_batch_overhead=0.02)
 NO_OVERHEAD = CostModel(linear_per_token=1e-6, attention_per_token_pair=1e-10,
                         kv_bytes_per_token=1e5, link_bytes_per_s=1e9, ring_step_latency=1e-3)
-MODELS = [None, GQA, MLA, NO_OVERHEAD]
+# a calibrated model's measured error: regroup only for a larger modelled gain
+MLA_WITH_ERROR = CostModel(**{**MLA.to_dict(), "relative_error": 0.1})
+MODELS = [None, GQA, MLA, NO_OVERHEAD, MLA_WITH_ERROR]
 
 
 @st.composite
@@ -93,6 +95,9 @@ def check_plan(result: HdpPlan, case: dict) -> None:
         assert math.isclose(mb.fixed_cp_cost, cp + model.per_micro_batch_overhead,
                             rel_tol=1e-9)
         assert mb.cost <= mb.fixed_cp_cost
+        if not mb.fixed_cp:  # a regrouping gains more than the model's measured error
+            overhead = model.per_micro_batch_overhead
+            assert mb.cost - overhead < (mb.fixed_cp_cost - overhead) * (1 - model.relative_error)
     # never worse than fixed CP, never below the lower bound
     assert result.cost <= result.fixed_cp_cost
     assert result.cost >= result.lower_bound * (1 - 1e-9)
@@ -305,3 +310,36 @@ def test_planner_imports_no_torch():
     from tests.support.child import run_scenario
     assert run_scenario("tests.features.hdp.test_planner", "child_heavy_modules",
                         timeout=600) == []
+
+
+@pytest.mark.parametrize("cp_size, tp, cap, model", [(4, 4, 16384, GQA), (8, 4, 8192, MLA)])
+def test_planning_work_grows_no_faster_than_n_log_n(cp_size, tp, cap, model):
+    # counted work (inner-loop steps), not a timing: per n*log2(n), 8192 sequences cost no
+    # more than 1024 do (the old shelf packing visited every shelf per item: quadratic)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    pool = (rng.integers(256, 2049, 8192)
+            + np.clip(rng.lognormal(np.log(3000), 1.0, 8192), 16, 32768)).astype(np.int64)
+    per = {}
+    for n in (1024, 8192):
+        work = planning_work(pool[:n], cp_size=cp_size, max_tokens_per_rank=cap,
+                             min_micro_batches=cp_size, cost_model=model, tp=tp)
+        per[n] = work / (n * math.log2(n))
+    assert per[8192] <= 1.1 * per[1024], per
+
+
+def test_regrouping_needs_a_gain_above_the_models_measured_error():
+    lengths = [9000, 300, 200, 250, 180, 220, 310, 260]
+    kw = dict(cp_size=4, max_tokens_per_rank=4096, tp=1)
+    free = plan(lengths, **kw, cost_model=MLA)
+    assert not free.micro_batches[0].fixed_cp
+    mb = free.micro_batches[0]
+    gain = 1 - (mb.cost - MLA.per_micro_batch_overhead) / (
+        mb.fixed_cp_cost - MLA.per_micro_batch_overhead)
+    above = plan(lengths, **kw, cost_model=CostModel(**{**MLA.to_dict(),
+                                                        "relative_error": gain * 1.01}))
+    assert all(m.fixed_cp for m in above.micro_batches)
+    assert above.cost == above.fixed_cp_cost
+    below = plan(lengths, **kw, cost_model=CostModel(**{**MLA.to_dict(),
+                                                        "relative_error": gain * 0.99}))
+    assert below.digest() != above.digest() and not below.micro_batches[0].fixed_cp

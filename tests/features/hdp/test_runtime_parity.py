@@ -44,6 +44,13 @@ def test_patches_apply_on_this_stack(ranks):
             assert states[name] == "applied", states
 
 
+def test_the_schedule_verl_gets_is_timed_by_the_guard(ranks):
+    for r in ranks:
+        # applied once the schedules module is imported (lazily on Megatron-Core 0.12)
+        assert r["schedule"] == {"state": "applied", "wrapped": True, "inner": "forward_backward_no_pipelining",
+                                 "module_global": True}, r["schedule"]
+
+
 def test_verl_wrappers_are_bit_identical_to_upstream_for_the_all_cp_plan(ranks):
     for r in ranks:
         assert r["verl_all_cp_equal"] == {"packed": True, "cu_seqlens": True, "max_seqlen": True,

@@ -1,0 +1,71 @@
+"""``ascend-rl hdp calibrate --quick``: two gloo processes on CPU time the kernels and write a cost
+model the planner accepts; doctor says when the uncalibrated default is in use."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+
+from ascend_rl_plugins.features import hdp
+from ascend_rl_plugins.features.hdp.cost_model import CostModel
+from ascend_rl_plugins.features.hdp.planner import plan
+from tests.support.child import REPO
+
+ENV_EXTRA = {"ASCEND_RL_AUTOLOAD": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def calibrate(*args, timeout=600):
+    import os
+    env = dict(os.environ, **ENV_EXTRA, PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-m", "ascend_rl_plugins", "hdp", "calibrate", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def test_quick_calibration_on_cpu_writes_a_model_the_planner_accepts(tmp_path):
+    try:
+        version("torch")
+    except PackageNotFoundError:
+        pytest.skip("torch is not installed in this interpreter (.ci/stack.sh installs it)")
+    out = tmp_path / "model.json"
+    proc = calibrate("--quick", "--nproc", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ASCEND_RL_HDP_COST_MODEL={out}" in proc.stdout
+    model = CostModel.load(str(out))
+    assert model.calibrated and "CALIBRATED" in model.comment and "gloo" in model.comment
+    assert set(model.ring_by_group_size) == {"2"}  # every group size up to the world size
+    assert 0 <= model.relative_error < 1
+    for name in ("linear_per_token", "attention_per_token_pair", "link_bytes_per_s"):
+        assert getattr(model, name) > 0, name
+    report = json.loads((tmp_path / "model.json.report.json").read_text())
+    assert report["device"] == "cpu" and report["world_size"] == 2
+    assert len(report["pack_errors"]) == 4
+    result = plan([900, 40, 30, 600, 25, 17], cp_size=2, max_tokens_per_rank=1024, cost_model=model)
+    assert result.cost <= result.fixed_cp_cost
+    assert hdp.cost_model_advice() != ""  # the default is still what the flag names
+
+
+@pytest.mark.parametrize("args, match", [(("--nproc", "0"), "--nproc=0"),
+                                         (("--heads", "6", "--tp", "4"), "--heads=6")])
+def test_bad_arguments_are_refused_by_name(tmp_path, args, match):
+    proc = calibrate("--out", str(tmp_path / "m.json"), *args, timeout=120)
+    assert proc.returncode == 2 and match in proc.stderr, proc.stderr
+
+
+def test_doctor_says_when_the_uncalibrated_model_is_in_use(flag_env, tmp_path):
+    flag_env(ASCEND_RL_HDP="1")
+    assert "not calibrated" in hdp.cost_model_advice()
+    assert "not calibrated" in " ".join(hdp.FEATURE.advice())
+    calibrated = CostModel(**{**CostModel.load(None).to_dict(), "calibrated": True,
+                              "comment": "CALIBRATED (test)"})
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps(calibrated.to_dict()))
+    flag_env(ASCEND_RL_HDP_COST_MODEL=str(path))
+    assert hdp.cost_model_advice() == "" and hdp.FEATURE.advice() == []
+    uncalibrated = tmp_path / "mine.json"
+    uncalibrated.write_text(json.dumps(CostModel.load(None).to_dict()))
+    flag_env(ASCEND_RL_HDP_COST_MODEL=str(uncalibrated))
+    assert f"ASCEND_RL_HDP_COST_MODEL={uncalibrated}" in hdp.cost_model_advice()
