@@ -1,5 +1,5 @@
 """A tiny Qwen3 (dense, or Qwen3-MoE with ``moe=True``) with random weights and a locally
-trained byte-level BPE tokenizer.
+trained byte-level BPE tokenizer (``chatml=True``: with Qwen's ChatML tokens and template).
 
 Nothing is downloaded: the tokenizer is trained in a second on Python's own standard
 library sources, the weights are drawn from a seeded generator. The directory is cached
@@ -40,23 +40,34 @@ def corpus_files(limit: int = 200) -> list[str]:
     return out
 
 
-def train_tokenizer(out_dir: str, vocab_size: int) -> None:
+# Qwen's ChatML turn format (role header, content, end-of-turn marker), for models built with
+# ``chatml=True``: verl 0.9's agent loop picks its token-boundary rules by model_type and, for
+# qwen3, requires the tokenizer to define ``<|im_end|>``.
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def train_tokenizer(out_dir: str, vocab_size: int, chatml: bool = False) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<|endoftext|>"] + (CHATML_TOKENS if chatml else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train(corpus_files(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", bos_token=None)
+    if chatml:
+        fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(out_dir)
 
 
-def build(out_dir: str, seed: int = 0, dtype: str = "bfloat16", **overrides) -> str:
+def build(out_dir: str, seed: int = 0, dtype: str = "bfloat16", chatml: bool = False, **overrides) -> str:
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -73,7 +84,7 @@ def build(out_dir: str, seed: int = 0, dtype: str = "bfloat16", **overrides) -> 
     config.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:
         json.dump({"eos_token_id": 0, "do_sample": False}, fh)
-    train_tokenizer(out_dir, cfg["vocab_size"])
+    train_tokenizer(out_dir, cfg["vocab_size"], chatml)
     return out_dir
 
 
@@ -136,9 +147,11 @@ def build_moe(out_dir: str, seed: int = 0, dtype: str = "bfloat16", **overrides)
     return out_dir
 
 
-def cached(seed: int = 0, dtype: str = "bfloat16", moe: bool = False, **overrides) -> str:
+def cached(seed: int = 0, dtype: str = "bfloat16", moe: bool = False, chatml: bool = False,
+           **overrides) -> str:
     """Path of the tiny model for these parameters, built once per machine (``moe=True``: the
-    Qwen3-MoE variant; the dense models' cache keys are unchanged by that option)."""
+    Qwen3-MoE variant; ``chatml=True``: a dense model whose tokenizer has Qwen's ChatML tokens
+    and template; the other models' cache keys are unchanged by these options)."""
     from ..doctor import cache_dir
 
     import transformers
@@ -146,7 +159,7 @@ def cached(seed: int = 0, dtype: str = "bfloat16", moe: bool = False, **override
     # transformers 4.x cannot read the tokenizer config 5.x writes (and weight init may
     # differ): one model per transformers major version, so both stacks share a cache
     major = transformers.__version__.split(".")[0]
-    fields = [seed, dtype, sorted(overrides.items()), 1, major] + (["moe", 1] if moe else [])
+    fields = [seed, dtype, sorted(overrides.items()), 1, major] + (["moe", 1] if moe else []) + (["chatml", 1] if chatml else [])
     key = hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir(), "models", f"tiny-qwen3{'-moe' if moe else ''}-{key}")
     if os.path.exists(os.path.join(path, ".done")):
@@ -154,7 +167,10 @@ def cached(seed: int = 0, dtype: str = "bfloat16", moe: bool = False, **override
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".build-")
     try:
-        (build_moe if moe else build)(tmp, seed=seed, dtype=dtype, **overrides)
+        if moe:
+            build_moe(tmp, seed=seed, dtype=dtype, **overrides)
+        else:
+            build(tmp, seed=seed, dtype=dtype, chatml=chatml, **overrides)
         open(os.path.join(tmp, ".done"), "w").close()
         try:
             os.rename(tmp, path)

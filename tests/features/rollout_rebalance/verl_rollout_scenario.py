@@ -1,0 +1,115 @@
+"""verl 0.9's own agent-loop rollout on CPU with this router loaded through router_config_path.
+
+verl's ``LLMServerManager`` starts standalone ``vLLMReplica``s (each: a Ray placement group of
+one logical "GPU", a ``CheckpointEngineWorker``, a ``vLLMHttpServer`` running vLLM's real
+``AsyncLLM`` on the CPU build), builds the router with its own ``get_router_handle`` from
+``rollout.router_config_path``, and ``AgentLoopManager`` runs ``single_turn_agent`` over a
+GRPO batch (each prompt repeated n times) through verl's ``LLMServerClient``.
+
+Ray is started with logical GPUs: verl 0.9.1 takes this CPU host for a CUDA one and asks Ray
+for "GPU" bundles; the bundles only reserve a slot, vLLM's CPU platform ignores the device
+ids Ray hands out.
+"""
+
+from __future__ import annotations
+
+import os
+
+REPLICAS = 2
+
+
+def _config(model_dir: str, router_yaml: str, n: int, max_tokens: int):
+    import verl
+    from omegaconf import OmegaConf
+    base = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer", "config",
+                                       "_generated_ppo_trainer.yaml"))
+    overrides = OmegaConf.create({
+        "trainer": {"n_gpus_per_node": REPLICAS, "nnodes": 1},
+        "data": {"max_prompt_length": 64, "max_response_length": max_tokens, "return_raw_chat": True},
+        "actor_rollout_ref": {
+            "model": {"path": model_dir, "use_remove_padding": False},
+            "rollout": {
+                "name": "vllm", "mode": "async", "nnodes": 1, "n_gpus_per_node": REPLICAS,
+                "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+                "pipeline_model_parallel_size": 1,
+                "n": n, "temperature": 0.0, "top_k": -1, "top_p": 1.0,
+                "prompt_length": 64, "response_length": max_tokens, "max_model_len": 256,
+                "max_num_seqs": 4, "max_num_batched_tokens": 512, "dtype": "float32",
+                "load_format": "auto", "enforce_eager": True, "enable_sleep_mode": False,
+                "free_cache_engine": False, "gpu_memory_utilization": 0.5,
+                "disable_log_stats": False, "calculate_log_probs": True,
+                "router_config_path": router_yaml,
+                "agent": {"num_workers": 1, "default_agent_loop": "single_turn_agent"},
+                "skip_tokenizer_init": False,
+            },
+        },
+    })
+    return OmegaConf.merge(base, overrides)
+
+
+def _batch(prompts: int, n: int):
+    import numpy as np
+    from verl import DataProto
+    raw = [[{"role": "user", "content": f"question {p}: what is {p} plus {p + 1}?"}] for p in range(prompts)]
+    raw = [r for r in raw for _ in range(n)]  # GRPO: each prompt n times, as the trainer repeats it
+    batch = DataProto.from_dict(non_tensors={
+        "raw_prompt": np.array(raw, dtype=object),
+        "agent_name": np.array(["single_turn_agent"] * len(raw), dtype=object),
+        "data_source": np.array(["tiny"] * len(raw), dtype=object),
+        "index": np.array([p for p in range(prompts) for _ in range(n)], dtype=object),
+    })
+    return batch
+
+
+def _successes(address: str) -> float:
+    """vLLM's own count of finished requests on one replica (its Prometheus /metrics)."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def _router_record(router) -> dict:
+    """What the router itself recorded (read inside its actor): the replica it bound each
+    request id to, the requests it saw released, and its per-prompt (GRPO group) history."""
+    from collections import Counter
+    policy = router._policy
+    return {"bound": dict(Counter(policy.sticky.values())), "requests": len(policy.sticky),
+            "released": policy.lengths.observed,
+            "group_sizes": sorted(n for _, n in policy.lengths.by_group.values())}
+
+
+def grpo_rollout(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int) -> dict:
+    import ray
+    ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {k: os.environ[k] for k in (
+                 "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
+                 "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ}})
+    try:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+        from verl.workers.rollout.llm_server import LLMServerManager
+        config = _config(model_dir, router_yaml, n, max_tokens)
+        servers = LLMServerManager.create(config)
+        client = servers.get_client()
+        manager = AgentLoopManager.create(config, llm_client=client)
+        before = {a: _successes(a) for a in servers.get_addresses()}
+        output = manager.generate_sequences(_batch(prompts, n))
+        after = {a: _successes(a) for a in servers.get_addresses()}
+        router = servers.global_load_balancer
+        status = ray.get(router.get_status.remote())
+        record = ray.get(router.__ray_call__.remote(_router_record))
+        responses = output.batch["responses"].tolist()
+        mask = output.batch["response_mask"].tolist()
+        lengths = [int(sum(m)) for m in mask]
+        return {
+            "router_class": ray.get(router.__ray_call__.remote(lambda self: type(self).__name__)),
+            "rows": len(responses), "lengths": lengths,
+            "served": {a: after[a] - before[a] for a in after},
+            "status": {k: status[k] for k in ("total_inflight", "queued", "load_source", "active_servers")},
+            "router": record,
+            "kv_capacity_tokens": {a: kv["capacity_tokens"] for a, kv in status["kv"].items()},
+            "greedy_siblings_equal": all(
+                responses[p * n + k] == responses[p * n] for p in range(prompts) for k in range(n)),
+        }
+    finally:
+        ray.shutdown()
