@@ -160,6 +160,17 @@ def _least_squares(columns: list[list[float]], y: list[float]) -> list[float]:
     return [float(c) for c in coef]
 
 
+def _positive_slope(main: list[float], others: list[list[float]], y: list[float]) -> tuple[float, bool]:
+    """The coefficient of ``main`` in the least-squares fit of ``y`` on ``main`` and ``others``;
+    where noise makes it non-positive (short timings on a busy machine), the proportional fit
+    ``y ~ a * main`` instead, which is positive for positive times. A cost of zero is never
+    written: it would price the work as free. Returns (coefficient, whether it fell back)."""
+    coef = _least_squares([main, *others], y)[0]
+    if coef > 0:
+        return coef, False
+    return sum(m * t for m, t in zip(main, y)) / sum(m * m for m in main), True
+
+
 class _Layer:
     """One layer's projections and MLP, the rank's tensor-parallel shard (forward+backward)."""
 
@@ -230,15 +241,13 @@ def measure(shape: Shape, sizes: Sizes) -> Report:
     # linear: seconds per token (slope over token counts)
     linear_t = [_timed(lambda n=n: layer.run(n), device, sizes.repeats) for n in sizes.tokens]
     linear_t = _max_over_ranks(linear_t, device)
-    slope, _ = _least_squares([list(map(float, sizes.tokens)), [1.0] * len(sizes.tokens)], linear_t)
-    linear = max(slope, 0.0)
+    linear, linear_fallback = _positive_slope(list(map(float, sizes.tokens)), [[1.0] * len(sizes.tokens)], linear_t)
     # attention: t = a * L**2 / 2 + b * L
     attn_t = [_timed(lambda n=n: _attention(shape, device, dtype, [n]), device, sizes.repeats)
               for n in sizes.lengths]
     attn_t = _max_over_ranks(attn_t, device)
-    pair, _ = _least_squares([[x * x / 2.0 for x in sizes.lengths], [float(x) for x in sizes.lengths]],
-                             attn_t)
-    pair = max(pair, 0.0)
+    pair, pair_fallback = _positive_slope([x * x / 2.0 for x in sizes.lengths], [[float(x) for x in sizes.lengths]],
+                                          attn_t)
     # per-micro-batch overhead: the same tokens as 1 and as 4 micro-batches
     total = sizes.tokens[-1]
     one = _timed(lambda: layer.run(total), device, sizes.repeats)
@@ -296,7 +305,9 @@ def measure(shape: Shape, sizes: Sizes) -> Report:
                  f"(hidden {shape.hidden}, ffn {shape.ffn_hidden}, {shape.heads} q / "
                  f"{shape.kv_heads} kv heads, head dims {shape.qk_head_dim}/{shape.v_head_dim}, "
                  f"TP{shape.tp}) times {layers} layers per stage; kv_bytes_per_token from the "
-                 f"shape, not measured; largest error on measured packs {max(errors):.3f}"))
+                 f"shape, not measured; largest error on measured packs {max(errors):.3f}"
+                 + "".join(f"; {what}: noisy timings, proportional fit" for what, fell in
+                           (("linear", linear_fallback), ("attention", pair_fallback)) if fell)))
     return Report(device.type, world, shape, linear, pair, pair / heads, overhead, tuple(rings),
                   tuple(errors), model)
 

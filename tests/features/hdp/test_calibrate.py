@@ -69,3 +69,17 @@ def test_doctor_says_when_the_uncalibrated_model_is_in_use(flag_env, tmp_path):
     uncalibrated.write_text(json.dumps(CostModel.load(None).to_dict()))
     flag_env(ASCEND_RL_HDP_COST_MODEL=str(uncalibrated))
     assert f"ASCEND_RL_HDP_COST_MODEL={uncalibrated}" in hdp.cost_model_advice()
+
+
+def test_a_fit_that_noise_makes_non_positive_falls_back_to_a_proportional_one():
+    """Short timings on a busy machine can fall with size; the cost written is then the
+    proportional fit, never zero (a zero cost would price the work as free)."""
+    pytest.importorskip("numpy")
+    from ascend_rl_plugins.features.hdp.calibrate import _positive_slope
+    sizes = [256.0, 512.0, 1024.0]
+    slope, fell_back = _positive_slope(sizes, [[1.0] * 3], [0.002 + 1e-6 * n for n in sizes])
+    assert not fell_back and slope == pytest.approx(1e-6)
+    slope, fell_back = _positive_slope(sizes, [[1.0] * 3], [0.009, 0.006, 0.005])   # noise: falling times
+    assert fell_back and slope == pytest.approx(sum(n * t for n, t in zip(sizes, [0.009, 0.006, 0.005]))
+                                                / sum(n * n for n in sizes))
+    assert slope > 0
