@@ -68,7 +68,6 @@ def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
     fake-quantizes, the later ones reuse that tensor (no device work: the host time of the lookup
     is what a later micro-batch pays). Checked: the reused tensor is the fake-quantized weight."""
     import os
-    import time
     import torch
     from ...selftest import CheckResult
     from ..flashrl import int4
@@ -87,10 +86,7 @@ def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
         first = forward()
         ok = same_bits(first.detach().cpu(), int4.fake_quantize(w.cpu(), spec))
         reps = 200
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            forward()
-        hit_s = (time.perf_counter() - t0) / reps
+        hit_s = _host_seconds(ctx, forward, reps)
         ok = ok and fake_weight_cache.CACHE.stats.hits == reps and fake_weight_cache.CACHE.stats.misses == 1
     finally:
         fake_weight_cache.reset()
