@@ -290,8 +290,11 @@ def render_removal(ledger: Sequence[dict], title: str, stream=None, wide: bool =
     table = Table(title=f"{title}: removal ledger")
     columns = ("patch", "this stack", "remove when") if narrow else \
         ("patch", "remove when", "upstream issue/PR", "this stack")
+    # the patch name is what a reader scans for: unbroken where the terminal leaves room for it
+    longest = max((len(e["patch"]) for e in ledger), default=0)
     for col in columns:
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold",
+                         min_width=min(longest, out.width * 2 // 5) if col == "patch" else None)
     for e in ledger:
         cells = {"patch": e["patch"], "remove when": e["remove_when"], "upstream issue/PR": e["upstream"] or "-",
                  "this stack": e["this_stack"]}
