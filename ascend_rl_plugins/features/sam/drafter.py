@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .automaton import (B_ACC, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST, T_DRAFTED, T_MAX_LEN,
+from .automaton import (B_ACC, B_CROSS, B_NTOK, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST, T_DRAFTED, T_MAX_LEN,
                         T_PROPOSALS, T_VERIFIED, AutomatonPool, fresh_tally)
 from .history import ResponseHistory
 
@@ -113,7 +113,7 @@ class SamDrafter:
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
                  max_model_len: int | None = None, history_tokens: int = 0,
                  history_per_prompt: int = 8, token_cost: float = 0.0,
-                 compute_bound_batch: int = 64):
+                 compute_bound_batch: int = 64, cross_prompt_tokens: int = 0):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
@@ -127,6 +127,12 @@ class SamDrafter:
         self.history = (ResponseHistory(history_tokens, history_per_prompt)
                         if history_tokens > 0 else None)
         self._prompt_of: dict[str, tuple[bytes, int]] = {}
+        if cross_prompt_tokens < 0:
+            raise ValueError(f"cross_prompt_tokens must be >= 0, got {cross_prompt_tokens}")
+        # the cross-prompt automaton (-1: none yet or off) and its token budget
+        self.cross_prompt_tokens = int(cross_prompt_tokens)
+        self._cross = -1
+        self.cross_rotations = 0  # times the cross-prompt automaton reached its budget
         self._tally = fresh_tally()
         if not 0.0 <= token_cost <= 1.0:
             raise ValueError(f"token_cost must be in [0, 1], got {token_cost}")
@@ -135,6 +141,7 @@ class SamDrafter:
         self.token_cost = float(token_cost)
         self.compute_bound_batch = int(compute_bound_batch)
         self._cost_of: dict[int, int] = {}  # batch size -> T_COST value
+        self._cost_now = 0  # the value in the tally now
         self.max_model_len = max_model_len
         self._steps = 0
         self._inactive_steps = 0
@@ -189,7 +196,23 @@ class SamDrafter:
         m = self.pool.new_member(a)
         self.member_of[req_id] = m
         self.group_of[req_id] = key
+        if self.cross_prompt_tokens:
+            if self._cross < 0:
+                self._cross = self.pool.new_automaton()
+                self.pool.set_cross(self._cross, self.cross_prompt_tokens, self._rotate_cross)
+            self.pool.link_cross(m, self._cross)
         return m
+
+    def _rotate_cross(self) -> None:
+        """The cross-prompt automaton reached its budget: a fresh one replaces it (its memory
+        goes back at once), and live requests continue in it from their next token."""
+        old, pool = self._cross, self.pool
+        self._cross = pool.new_automaton()
+        pool.set_cross(self._cross, self.cross_prompt_tokens, self._rotate_cross)
+        for m in self.member_of.values():
+            pool.link_cross(m, self._cross, from_token=int(pool.members[m, B_NTOK]))
+        pool.free_automaton(old)
+        self.cross_rotations += 1
 
     def _seed(self, automaton: int, prompt: np.ndarray, responses) -> None:
         """Put earlier responses to ``prompt`` (each after the prompt, as it was generated)
@@ -208,6 +231,9 @@ class SamDrafter:
         prompt = self._prompt_of.pop(req_id, None)
         if m is None:
             return
+        x = int(self.pool.members[m, B_CROSS])
+        if x >= 0:  # its text stays in the cross-prompt automaton for later requests
+            self.pool.release_member(x, keep_text=True)
         if prompt is not None:
             self.history.add(prompt[0], self.pool.member_text(m)[prompt[1]:])
         self._key_ids = []  # the cached batch may hold this member
@@ -279,7 +305,8 @@ class SamDrafter:
         if cost >= COST_SCALE and k:  # compute-bound: no draft pays for its verification
             self._inactive_steps += 1
             k = 0
-        self._tally[T_COST] = cost
+        if cost != self._cost_now:  # a numpy write costs more than the compare
+            self._tally[T_COST] = self._cost_now = cost
         return self.pool.ingest_own_rows(self._batch, token_ids, num_tokens, k, self._tally)
 
     def propose_rows(self, req_ids, rows, token_ids, num_tokens, prompt_lens=None,

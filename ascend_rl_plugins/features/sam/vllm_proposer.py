@@ -34,15 +34,16 @@ def is_sam_config(vllm_config) -> bool:
 
 def drafter_settings(vllm_config) -> dict:
     """``SamDrafter`` keyword arguments from the engine config and the feature's flags."""
-    from . import (ADAPTIVE, BATCH_THRESHOLD, COMPUTE_BOUND_BATCH, GROUP, HISTORY_PER_PROMPT,
-                   HISTORY_TOKENS, MIN_MATCH, RECENT_LEN, TOKEN_COST)
+    from . import (ADAPTIVE, BATCH_THRESHOLD, COMPUTE_BOUND_BATCH, CROSS_PROMPT_TOKENS, GROUP,
+                   HISTORY_PER_PROMPT, HISTORY_TOKENS, MIN_MATCH, RECENT_LEN, TOKEN_COST)
     spec = vllm_config.speculative_config
     return dict(k=int(spec.num_speculative_tokens), min_match=MIN_MATCH.value,
                 group=GROUP.value, batch_threshold=BATCH_THRESHOLD.value,
                 recent_len=RECENT_LEN.value, adaptive=ADAPTIVE.value,
                 max_model_len=int(vllm_config.model_config.max_model_len),
                 history_tokens=HISTORY_TOKENS.value, history_per_prompt=HISTORY_PER_PROMPT.value,
-                token_cost=TOKEN_COST.value, compute_bound_batch=COMPUTE_BOUND_BATCH.value)
+                token_cost=TOKEN_COST.value, compute_bound_batch=COMPUTE_BOUND_BATCH.value,
+                cross_prompt_tokens=CROSS_PROMPT_TOKENS.value)
 
 
 def build_drafter(vllm_config, **overrides) -> SamDrafter:
