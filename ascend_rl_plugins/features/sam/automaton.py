@@ -134,7 +134,8 @@ D_SIZE = 21
 # the draft position, whether an older occurrence corroborates the token) the draft tokens
 # verification reached and those it accepted
 T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED, T_COST = 0, 1, 2, 3, 4, 5
-T_TABLE = 6
+T_CROSS_PROPOSALS = 6  # drafts taken from the cross-prompt automaton
+T_TABLE = 7
 N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 16, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
 # no older occurrence to ask / it agrees up to this token / it disagreed before / the draft
 # comes from the cross-prompt automaton (the request's own automaton had no candidate)
@@ -817,6 +818,8 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
             members[m, B_DLEN] = n
             tally[T_PROPOSALS] += 1
             tally[T_DRAFTED] += n
+            if out[i, OUT_AGREE] == AGREE_CROSS:
+                tally[T_CROSS_PROPOSALS] += 1
         elif members[m, B_NEXTC] >= 0:  # cut to nothing by the estimate: settled as a shadow
             members[m, B_DEND] = end
             members[m, B_DLEN] = 0

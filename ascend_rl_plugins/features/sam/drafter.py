@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .automaton import (B_ACC, B_CROSS, B_NTOK, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST, T_DRAFTED, T_MAX_LEN,
-                        T_PROPOSALS, T_VERIFIED, AutomatonPool, fresh_tally)
+from .automaton import (B_ACC, B_CROSS, B_NTOK, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST,
+                        T_CROSS_PROPOSALS, T_DRAFTED, T_MAX_LEN, T_PROPOSALS, T_VERIFIED,
+                        AutomatonPool, fresh_tally)
 from .history import ResponseHistory
 
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
@@ -50,6 +51,10 @@ class DrafterStats:
         return int(self._d._tally[T_PROPOSALS])
 
     @property
+    def cross_proposals(self) -> int:  # of them, drafts from the cross-prompt automaton
+        return int(self._d._tally[T_CROSS_PROPOSALS])
+
+    @property
     def drafted_tokens(self) -> int:
         return int(self._d._tally[T_DRAFTED])
 
@@ -72,7 +77,7 @@ class DrafterStats:
         return out
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("steps", "proposals", "drafted_tokens",
+        d = {k: getattr(self, k) for k in ("steps", "proposals", "cross_proposals", "drafted_tokens",
                                            "accepted_tokens", "verified_drafts", "inactive_steps")}
         d["acceptance_share"] = d["accepted_tokens"] / d["drafted_tokens"] if d["drafted_tokens"] else 0.0
         return d

@@ -71,11 +71,12 @@ class _SamProposerMixin:
         started = time.perf_counter()
         compile_step_kernel()
         log.info("ascend-rl: SAM drafter k=%d min_match=%d group=%s batch_threshold=%d "
-                 "token_cost=%g compute_bound_batch=%d history_tokens=%d (kernel ready in "
-                 "%.2f s)", self.k, self.sam.pool.min_match, self.sam.group,
-                 self.sam.batch_threshold, self.sam.token_cost, self.sam.compute_bound_batch,
+                 "token_cost=%g compute_bound_batch=%d history_tokens=%d "
+                 "cross_prompt_tokens=%d (kernel ready in %.2f s)", self.k,
+                 self.sam.pool.min_match, self.sam.group, self.sam.batch_threshold,
+                 self.sam.token_cost, self.sam.compute_bound_batch,
                  self.sam.history.max_tokens if self.sam.history else 0,
-                 time.perf_counter() - started)
+                 self.sam.cross_prompt_tokens, time.perf_counter() - started)
 
     def bind_input_batch(self, input_batch) -> None:
         self.input_batch = input_batch

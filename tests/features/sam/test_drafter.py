@@ -529,6 +529,7 @@ def test_a_token_new_to_its_group_drafts_from_another_prompts_text():
         _one_step_rollout(d, "a", a_text, 2)
         got = _one_step_rollout(d, "b", b_text, 2)
         assert got[0] == ([11, 12, 13] if cross else [])
+        assert (d.stats.cross_proposals > 0) == bool(cross)
         if cross:
             assert d.pool.live_automata() == 1  # only the cross-prompt one stays
         else:
