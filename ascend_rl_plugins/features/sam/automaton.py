@@ -52,6 +52,10 @@ confidence cap is on). (Small recent_len values predict better token by token bu
 a speculative replay: see ``benchmarks/bench_sam.py``.) Appending is amortized O(1) (the classic SAM bound),
 drafting O(k). When the source occurrence overlaps the end of the member's own text (a
 loop), the draft continues periodically.
+
+Cross-prompt automaton (a drafter's option): one more automaton gets every request's text
+and drafts only for a request whose own (group's) automaton has no candidate, like the
+global tree of vLLM's ``suffix`` method; see ``_rows_step``.
 """
 
 from __future__ import annotations
@@ -725,9 +729,17 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     acceptance table. With ``tally[T_COST]`` > 0 each new draft is cut where the table's
     estimate that all its tokens so far are accepted falls below that cost.
 
-    Returns DONE, DEAD_MEMBER / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which
-    entry), or the automaton whose hash segment must grow (then call again: members already
-    settled and ingested are not redone, since a member's start is its token count).
+    A member with a cross-prompt member (``B_CROSS``) feeds it the same tokens right after
+    its own; when its own automaton had no candidate (OUT_BOUND 0: a token its group never
+    saw, or saw only at a level sibling's end) the cross-prompt automaton's draft is taken,
+    estimated in its own table class (``AGREE_CROSS``): where the group knows the text its
+    recency order stays in charge, and text that only other prompts wrote fills the gaps.
+
+    Returns DONE, CROSS_FULL (done; the cross-prompt automaton reached its budget), DEAD_MEMBER
+    / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which entry), or the automaton whose
+    hash segment must grow (then call again: members already settled and ingested are not
+    redone, since a member's start is its token count; when the growth was the cross-prompt
+    member's, ``desc[D_CROSS_PENDING]`` keeps the entry's own draft from being redone).
     """
     meta = carray(_i64_at(desc[D_META]), (desc[D_META + 1], META_COLS))
     members = carray(_i64_at(desc[D_MEMBERS]), (desc[D_MEMBERS + 1], MEMBER_COLS))

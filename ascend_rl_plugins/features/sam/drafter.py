@@ -16,6 +16,11 @@ Group mode: requests whose prompt token ids are identical (vLLM ``n > 1`` childr
 rollouts sent as separate requests with the same prompt) share one generalized automaton;
 each drafts from its own text and from every sibling's text, live or finished. A group's
 memory is released when its last member finishes.
+
+Cross-prompt automaton (``cross_prompt_tokens``): where a request's own automaton has no
+candidate (a token its group never wrote, or wrote only at a level sibling's end), the draft
+comes from one automaton that holds every request's text; measured on the benchmark, this
+fills the steps where SAM drafted nothing and suffix's global tree did (see the README).
 """
 
 from __future__ import annotations
@@ -111,8 +116,11 @@ class SamDrafter:
     drafts stop where the scheduler could not verify them; ``history_tokens`` (0: off) and
     ``history_per_prompt``: finished responses kept per prompt (see ``history.py``) seed the
     automaton of that prompt's later requests; ``token_cost`` (0: draft all k) and
-    ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`). The flags of the ``sam`` feature map one to
-    one onto these arguments (see ``vllm_proposer.build_drafter``)."""
+    ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`);
+    ``cross_prompt_tokens`` (0: off): an automaton shared by all prompts, holding every
+    request's text (finished ones' too) up to that many tokens (then a fresh one replaces
+    it), drafts for a request whose own automaton has no candidate. The flags of the ``sam``
+    feature map one to one onto these arguments (see ``vllm_proposer.build_drafter``)."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,

@@ -139,3 +139,10 @@ def test_cpu_spec_decode_carried_the_engine(engines):
         assert patches["sam.inproc_client_post_step"] == "applied"
     else:
         assert patches["cpu_spec_decode.recovered_tokens_fp64_gumbel"] == "applied"
+
+
+def test_the_cross_prompt_automaton_drafts_where_a_group_had_nothing(engines):
+    """ASCEND_RL_SAM_CROSS_PROMPT_TOKENS=2048: some drafts came from other prompts' text (the
+    outputs above stay identical with them)."""
+    _, sam = engines
+    assert 0 < sam["stats"]["cross_proposals"] < sam["stats"]["proposals"]
