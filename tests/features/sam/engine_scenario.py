@@ -147,6 +147,9 @@ def run() -> dict:
     res["accepted"] = {r.split("-")[0]: n for r, n in sam.stats.per_request_accepted.items()}
     res["events"] = rec.events
     res["live_members_after"] = sam.pool.live_members()
+    res["cross"] = {"tokens": sam.pool.tokens(sam._cross) if sam._cross >= 0 else 0,
+                    "replaced": sam.cross_rotations,
+                    "proposals": sam.stats.cross_proposals}
     res["history"] = {"stored": sam.history.counters.stored, "seeded": sam.history.counters.seeded}
     res["patches"] = {p.name: p.outcome.state for p in REGISTRY.patches.values()
                       if p.feature.name in ("sam", "cpu_spec_decode")}
