@@ -36,7 +36,8 @@ Last, the peer (``--peer-only`` runs only this): vLLM's ``suffix`` method, its o
 ``SuffixDecodingProposer`` with Arctic Inference's suffix tree (built from its sdist by
 ``benchmarks/setup_suffix_peer.sh``; skipped with the reason when absent), driven as vLLM's
 runner drives it, against SAM as its proposer drives it (the flags' values: defaults unless
-set; plus the variants in ``SAM_VARIANTS``), in three settings: independent requests (8
+set; plus the variants in ``SAM_VARIANTS``: without the cross-prompt automaton, without history,
+the defaults before issue 29), in three settings: independent requests (8
 streams of ``--peer-context`` tokens of library code, a 32-token prompt each), the GRPO long
 tail (each near-duplicate group's last sibling decoded after the others finished; only it
 counts), and siblings decoded together (every group's siblings in one batch), at k = 3, 8
@@ -44,7 +45,7 @@ and 24 (suffix's own budget: vLLM sets k to its tree depth, 24, when none is giv
 Reported: accepted tokens per step, share of draft tokens accepted, draft tokens verified
 per step and per accepted token, share of steps with a draft, proposer µs per request
 (median over calls), and SAM ÷ suffix; the history's bytes per stored token and the cost of
-seeding an automaton from it.
+seeding an automaton from it; the cross-prompt automaton's bytes per token.
 """
 
 from __future__ import annotations
@@ -647,9 +648,10 @@ def near_duplicate_groups(files, tok):
 PEER_BUDGETS = (3, 8, 24)
 # SAM configurations compared with the peer: (name, SamDrafter attributes over the flags' values)
 SAM_VARIANTS = [("sam", {}),
+                ("sam, no cross-prompt", {"cross_prompt_tokens": 0}),
                 ("sam, no history", {"history_tokens": 0}),
                 ("sam, previous defaults", {"history_tokens": 0, "token_cost": 0.0,
-                                            "batch_threshold": 32})]  # 24: suffix's own budget (vLLM sets k = suffix_decoding_max_tree_depth)
+                                            "batch_threshold": 32, "cross_prompt_tokens": 0})]  # 24: suffix's own budget (vLLM sets k = suffix_decoding_max_tree_depth)
 
 
 def suffix_peer_path() -> str | None:
@@ -874,7 +876,7 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
               "verified / accepted | drafting steps | µs / request | acc/step vs suffix | "
               "verified/accepted vs suffix | µs vs suffix |")
         print("|" + "---|" * 11)
-        kept = []
+        kept, cross = [], []
         for k in PEER_BUDGETS:
             suffix = PeerResult("suffix")
             peer_run(waves, k, SuffixPeerDriver(cls, k, max_len), suffix, max_len)
@@ -888,6 +890,12 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
                 if h is not None and h.tokens and name == sam_variants[0][0]:
                     kept.append(f"k={k}: {h.responses_kept()} responses of {h.prompts()} prompts, "
                                 f"{h.tokens} tokens, {h.memory_bytes() / h.tokens:.2f} bytes/token")
+                x = driver.drafter._cross
+                if x >= 0 and name == sam_variants[0][0]:
+                    pool = driver.drafter.pool
+                    cross.append(f"k={k}: {pool.tokens(x)} tokens, "
+                                 f"{pool.automaton_bytes(x) / max(pool.tokens(x), 1):.1f} bytes/token, "
+                                 f"replaced {driver.drafter.cross_rotations} times")
             for r in rows:
                 print(f"| {k} | `{r.name}` | {r.per_step:.3f} | {r.share:.1%} | "
                       f"{r.verified_per_step:.2f} | {r.verified_per_accepted:.2f} | "
@@ -897,6 +905,8 @@ def peer_comparison(files, tok, streams: int, context: int, sam_variants) -> Non
                       f"{r.us_per_request / suffix.us_per_request:.2f}× |")
         if kept:
             print(f"history of `{sam_variants[0][0]}` after the run: " + "; ".join(kept))
+        if cross:
+            print(f"cross-prompt automaton of `{sam_variants[0][0]}` after the run: " + "; ".join(cross))
 
 
 if __name__ == "__main__":

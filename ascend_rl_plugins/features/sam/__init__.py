@@ -95,6 +95,16 @@ COMPUTE_BOUND_BATCH = flags.define(
     "generating it (the decode step is compute-bound): the draft-length rule's cost reaches "
     "1 there and nothing is drafted from it on. Used only with ASCEND_RL_SAM_TOKEN_COST > 0.",
     minimum=1, feature="sam")
+CROSS_PROMPT_TOKENS = flags.define(
+    "ASCEND_RL_SAM_CROSS_PROMPT_TOKENS", "int", 1 << 20,
+    "Cross-prompt automaton: every request's text (live, and finished until it is replaced) "
+    "also goes into one automaton shared by all prompts, which drafts for a request only when "
+    "its own (group's) automaton has no candidate -- a token its group never saw, or saw "
+    "only at a level sibling's end -- like the global tree of vLLM's suffix method. When it "
+    "holds this many tokens, or reaches its automaton's id limit (about 3 million tokens), it "
+    "is replaced by a fresh one (55-60 bytes per token measured; default 1,048,576 tokens, "
+    "about 60 MiB). 0: off.",
+    minimum=0, feature="sam")
 FEATURE = Feature("sam", "suffix-automaton speculative decoding, group-aware",
                   flag=ENABLE,
                   replaces="the Qwen3 RL recipe's patches 0002-vllm-feature-enable_sam_decoding, "

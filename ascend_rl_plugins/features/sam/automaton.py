@@ -52,6 +52,10 @@ confidence cap is on). (Small recent_len values predict better token by token bu
 a speculative replay: see ``benchmarks/bench_sam.py``.) Appending is amortized O(1) (the classic SAM bound),
 drafting O(k). When the source occurrence overlaps the end of the member's own text (a
 loop), the draft continues periodically.
+
+Cross-prompt automaton (a drafter's option): one more automaton gets every request's text
+and drafts only for a request whose own (group's) automaton has no candidate, like the
+global tree of vLLM's ``suffix`` method; see ``_rows_step``.
 """
 
 from __future__ import annotations
@@ -90,9 +94,12 @@ B_DEND, B_DLEN, B_ACC, B_HEAD = 7, 8, 9, 10
 # of exploration), and how many of its leading tokens an older occurrence's continuation
 # agreed with
 B_PREV, B_DCELL, B_NEXTC, B_DAGREE = 11, 12, 13, 14
-MEMBER_COLS = 15
-_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)  # (automaton filled in) alive
-_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1)
+# ... and its member in the drafter's cross-prompt automaton (-1: none), which gets the same
+# tokens and drafts for it when its own automaton has no candidate (see ``_rows_step``)
+B_CROSS = 15
+MEMBER_COLS = 16
+_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1, -1)  # (automaton filled in) alive
+_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1, -1)
 P_NONE, P_FULL, P_PARTIAL, P_REJECTED = 0, 1, 2, 3
 
 SMALL_DEGREE = 4
@@ -106,8 +113,11 @@ _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 # tokens the first occurrence's continuation agrees with (-1: no other occurrence to ask),
 # then the draft
 OUT_N, OUT_MATCH, OUT_BOUND, OUT_AGREE, OUT_DRAFT = 0, 1, 2, 3, 4
-# ingest return codes (>= 0: the automaton whose segments must grow)
-DONE, BAD_TOKEN, DEAD_MEMBER, BAD_OFFSETS = -1, -2, -3, -4
+# OUT_AGREE of a draft taken from the cross-prompt automaton (its own acceptance-table class)
+AGREE_CROSS = -2
+# ingest return codes (>= 0: the automaton whose segments must grow); CROSS_FULL: the step is
+# done and the cross-prompt automaton reached its budget (or its id limit)
+DONE, BAD_TOKEN, DEAD_MEMBER, BAD_OFFSETS, CROSS_FULL = -1, -2, -3, -4, -5
 
 # The pool's descriptor: one int64 array holding the address and row count of each of its
 # arrays, its settings and the kernel's resume/need slots. A decode step passes it and the
@@ -119,16 +129,21 @@ D_MIN_MATCH, D_RECENT_LEN, D_FROM_FIRST, D_ADAPTIVE = 9, 10, 11, 12
 D_RESUME = 13  # 3 slots: member, token, hash slots the automaton's segment must grow to
 D_HTOP = 16  # first free slot at the top of the hash arena
 D_HWASTE = 17  # hash arena slots in holes left by moved or freed segments
-D_SIZE = 18
+D_CROSS_PENDING = 18  # 1: the resume entry's own member is done, its cross member is not
+D_CROSS_AID, D_CROSS_BUDGET = 19, 20  # the cross-prompt automaton (-1: none), its token budget
+D_SIZE = 21
 # a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts;
 # T_COST: this step's verification cost of one draft token in accepted tokens, x 1e6 (0:
 # draft all k); then the acceptance table: per (bucket of L, previous outcome, bucket of
 # the draft position, whether an older occurrence corroborates the token) the draft tokens
 # verification reached and those it accepted
 T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED, T_COST = 0, 1, 2, 3, 4, 5
-T_TABLE = 6
+T_CROSS_PROPOSALS = 6  # drafts taken from the cross-prompt automaton
+T_TABLE = 7
 N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 16, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
-N_CORR = 3  # no older occurrence to ask / it agrees up to this token / it disagreed before
+# no older occurrence to ask / it agrees up to this token / it disagreed before / the draft
+# comes from the cross-prompt automaton (the request's own automaton had no candidate)
+N_CORR = 4
 T_SIZE = T_TABLE + 2 * N_LBUCKETS * N_PREV * N_CORR * N_JBUCKETS
 COST_SCALE = 1_000_000
 TABLE_PRIOR = (2, 1)  # (reached, accepted) of a cell never observed: an estimate of 1/2
@@ -628,7 +643,10 @@ def _log_bucket(x, n_buckets):
 def _table_slot(cell, agree, j):
     """(reached, accepted) of draft position ``j`` for a draft of ``cell`` (L bucket and
     previous outcome) whose leading ``agree`` tokens an older occurrence corroborated."""
-    corr = 0 if agree < 0 else (1 if j < agree else 2)
+    if agree == AGREE_CROSS:
+        corr = 3
+    else:
+        corr = 0 if agree < 0 else (1 if j < agree else 2)
     return T_TABLE + 2 * ((cell * N_CORR + corr) * N_JBUCKETS + _log_bucket(j + 1, N_JBUCKETS))
 
 
@@ -711,9 +729,17 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     acceptance table. With ``tally[T_COST]`` > 0 each new draft is cut where the table's
     estimate that all its tokens so far are accepted falls below that cost.
 
-    Returns DONE, DEAD_MEMBER / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which
-    entry), or the automaton whose hash segment must grow (then call again: members already
-    settled and ingested are not redone, since a member's start is its token count).
+    A member with a cross-prompt member (``B_CROSS``) feeds it the same tokens right after
+    its own; when its own automaton had no candidate (OUT_BOUND 0: a token its group never
+    saw, or saw only at a level sibling's end) the cross-prompt automaton's draft is taken,
+    estimated in its own table class (``AGREE_CROSS``): where the group knows the text its
+    recency order stays in charge, and text that only other prompts wrote fills the gaps.
+
+    Returns DONE, CROSS_FULL (done; the cross-prompt automaton reached its budget), DEAD_MEMBER
+    / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which entry), or the automaton whose
+    hash segment must grow (then call again: members already settled and ingested are not
+    redone, since a member's start is its token count; when the growth was the cross-prompt
+    member's, ``desc[D_CROSS_PENDING]`` keeps the entry's own draft from being redone).
     """
     meta = carray(_i64_at(desc[D_META]), (desc[D_META + 1], META_COLS))
     members = carray(_i64_at(desc[D_MEMBERS]), (desc[D_MEMBERS + 1], MEMBER_COLS))
@@ -727,8 +753,8 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     cost = tally[T_COST]
     need = np.zeros(3, np.int64)
     b = batch.shape[0]
-    if out.shape[0] < b or out.shape[1] < OUT_DRAFT + k or k < 0:
-        return BAD_OFFSETS
+    if out.shape[0] < b + 1 or out.shape[1] < OUT_DRAFT + k or k < 0:
+        return BAD_OFFSETS  # row b: the cross-prompt automaton's scratch row
     for i in range(resume[0], b):
         m = batch[i, 0]
         row = batch[i, 1]
@@ -743,16 +769,44 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
         if end > token_ids.shape[1]:
             resume[0] = i
             return BAD_OFFSETS
-        if members[m, B_DEND] >= 0 and end > start:
-            # settle the previous draft once tokens arrived (then it is cleared, so a call
-            # resumed after a hash growth does not count it twice)
-            if members[m, B_DEND] == start:
-                _settle(members, m, tally, token_ids, row, start, end)
-            members[m, B_DEND] = -1
-        code = _ingest_member(meta, members, HA, htop, m, token_ids[row, :end], start, k,
-                              min_match, recent_len, from_first, adaptive, out, i, need, resume)
-        if code != DONE:
-            return code
+        if desc[D_CROSS_PENDING] and i == resume[0]:
+            # resumed after the cross-prompt automaton's hash grew: this member's own part
+            # (settled, ingested, drafted into out[i]) is done
+            desc[D_CROSS_PENDING] = 0
+        else:
+            if members[m, B_DEND] >= 0 and end > start:
+                # settle the previous draft once tokens arrived (then it is cleared, so a call
+                # resumed after a hash growth does not count it twice)
+                if members[m, B_DEND] == start:
+                    _settle(members, m, tally, token_ids, row, start, end)
+                members[m, B_DEND] = -1
+            code = _ingest_member(meta, members, HA, htop, m, token_ids[row, :end], start, k,
+                                  min_match, recent_len, from_first, adaptive, out, i, need,
+                                  resume)
+            if code != DONE:
+                return code
+        x = members[m, B_CROSS]
+        if x >= 0 and members[x, B_ALIVE] != 0 and members[x, B_NTOK] < end:
+            # The cross-prompt automaton holds every request's text: it gets the same tokens,
+            # and drafts (into the scratch row b) only when the request's own automaton had
+            # no candidate at all -- a token its group never saw, or seen only at a level
+            # sibling's end. Its draft is estimated in its own table class (AGREE_CROSS).
+            kx = k if out[i, OUT_BOUND] == 0 else 0
+            code = _ingest_member(meta, members, HA, htop, x, token_ids[row, :end],
+                                  members[x, B_NTOK], kx, min_match, recent_len, from_first,
+                                  adaptive, out, b, need, resume)
+            if code != DONE:
+                resume[0] = i
+                if code >= 0:
+                    desc[D_CROSS_PENDING] = 1
+                return code
+            if kx > 0 and out[b, OUT_N] > 0:
+                nx = out[b, OUT_N]
+                out[i, OUT_N] = nx
+                out[i, OUT_BOUND] = out[b, OUT_BOUND]
+                out[i, OUT_AGREE] = AGREE_CROSS
+                for t in range(nx):
+                    out[i, OUT_DRAFT + t] = out[b, OUT_DRAFT + t]
         n = out[i, OUT_N]
         members[m, B_NEXTC] = -1
         if n > 0:
@@ -776,11 +830,16 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
             members[m, B_DLEN] = n
             tally[T_PROPOSALS] += 1
             tally[T_DRAFTED] += n
+            if out[i, OUT_AGREE] == AGREE_CROSS:
+                tally[T_CROSS_PROPOSALS] += 1
         elif members[m, B_NEXTC] >= 0:  # cut to nothing by the estimate: settled as a shadow
             members[m, B_DEND] = end
             members[m, B_DLEN] = 0
     resume[0] = 0
     resume[1] = 0
+    xa = desc[D_CROSS_AID]
+    if xa >= 0 and (meta[xa, M_NT] >= desc[D_CROSS_BUDGET] or meta[xa, M_FULL]):
+        return CROSS_FULL
     return DONE
 
 
@@ -922,6 +981,8 @@ class AutomatonPool:
         self._desc = np.zeros(D_SIZE, np.int64)
         self._desc[[D_MIN_MATCH, D_RECENT_LEN, D_FROM_FIRST, D_ADAPTIVE]] = (
             self.min_match, self.recent_len, self.from_first, self.adaptive)
+        self._desc[D_CROSS_AID] = -1
+        self.on_cross_full = None  # called after a step that filled the cross-prompt automaton
         self._views: dict = {}
         self._rows: list = []  # per automaton: its (S, E, T) arrays, kept alive here
         self.HA = np.zeros(1024, np.int64)
@@ -1027,6 +1088,22 @@ class AutomatonPool:
         self.meta[automaton, M_MEMBERS] += 1
         return m
 
+    def set_cross(self, automaton: int, budget: int, on_full) -> None:
+        """``automaton`` is the cross-prompt one: after a decode step that leaves it holding
+        ``budget`` tokens or more (or at its id limit), ``on_full()`` is called."""
+        self._desc[D_CROSS_AID] = automaton
+        self._desc[D_CROSS_BUDGET] = budget
+        self.on_cross_full = on_full
+
+    def link_cross(self, member: int, automaton: int, from_token: int = 0) -> int:
+        """Give ``member`` a member of ``automaton`` (a cross-prompt automaton) that gets the
+        same tokens from its token ``from_token`` on (0: all of them) and drafts for it when
+        its own automaton has no candidate. Returns that member."""
+        x = self.new_member(automaton)
+        self.members[x, B_NTOK] = from_token
+        self.members[member, B_CROSS] = x
+        return x
+
     def release_member(self, member: int, *, keep_text: bool = False) -> None:
         """Forget a member; its automaton is freed with its last member unless ``keep_text``."""
         if not self.members[member, B_ALIVE]:
@@ -1042,6 +1119,8 @@ class AutomatonPool:
         a = automaton
         if not self.meta[a, M_ALIVE]:
             return
+        if a == self._desc[D_CROSS_AID]:
+            self._desc[D_CROSS_AID] = -1
         for m in np.nonzero((self.members[:, B_ALIVE] == 1) & (self.members[:, B_AID] == a))[0]:
             self.members[m] = _DEAD_MEMBER
             self._free_members.append(int(m))
@@ -1087,8 +1166,8 @@ class AutomatonPool:
             raise ValueError(f"k (draft length) must be an int >= 0, got {k!r}")
         k = int(k)
         out = self._out
-        if out.shape[0] < b or out.shape[1] < OUT_DRAFT + k:
-            self._out = np.zeros((max(b, 2 * out.shape[0]), OUT_DRAFT + max(k, out.shape[1] - OUT_DRAFT)),
+        if out.shape[0] < b + 1 or out.shape[1] < OUT_DRAFT + k:  # + 1: a scratch row
+            self._out = np.zeros((max(b + 1, 2 * out.shape[0]), OUT_DRAFT + max(k, out.shape[1] - OUT_DRAFT)),
                                  np.int32)  # clears the cached views
             out = self._out
         if len(self._views) > 256:
@@ -1107,6 +1186,7 @@ class AutomatonPool:
             return
         i, j = int(resume[0]), int(resume[1])
         resume[:] = 0
+        self._desc[D_CROSS_PENDING] = 0
         if a == BAD_TOKEN:
             raise ValueError(f"token ids must be in [0, {1 << TOKEN_BITS}); got {token_at(i, j)} "
                              f"for member {member_at(i)}")
@@ -1146,6 +1226,9 @@ class AutomatonPool:
         while True:
             a = fn(desc, batch, token_ids, num_tokens, k, tally)
             if a == DONE:
+                return views[0], views[1]
+            if a == CROSS_FULL:
+                self.on_cross_full()  # replaces it; the step's drafts are in views already
                 return views[0], views[1]
             self._slow_return(
                 a, lambda i, j: int(token_ids[batch[i, 1], j]), lambda i: int(batch[i, 0]),

@@ -16,14 +16,20 @@ Group mode: requests whose prompt token ids are identical (vLLM ``n > 1`` childr
 rollouts sent as separate requests with the same prompt) share one generalized automaton;
 each drafts from its own text and from every sibling's text, live or finished. A group's
 memory is released when its last member finishes.
+
+Cross-prompt automaton (``cross_prompt_tokens``): where a request's own automaton has no
+candidate (a token its group never wrote, or wrote only at a level sibling's end), the draft
+comes from one automaton that holds every request's text; measured on the benchmark, this
+fills the steps where SAM drafted nothing and suffix's global tree did (see the README).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .automaton import (B_ACC, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST, T_DRAFTED, T_MAX_LEN,
-                        T_PROPOSALS, T_VERIFIED, AutomatonPool, fresh_tally)
+from .automaton import (B_ACC, B_CROSS, B_NTOK, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST,
+                        T_CROSS_PROPOSALS, T_DRAFTED, T_MAX_LEN, T_PROPOSALS, T_VERIFIED,
+                        AutomatonPool, fresh_tally)
 from .history import ResponseHistory
 
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
@@ -50,6 +56,10 @@ class DrafterStats:
         return int(self._d._tally[T_PROPOSALS])
 
     @property
+    def cross_proposals(self) -> int:  # of them, drafts from the cross-prompt automaton
+        return int(self._d._tally[T_CROSS_PROPOSALS])
+
+    @property
     def drafted_tokens(self) -> int:
         return int(self._d._tally[T_DRAFTED])
 
@@ -72,7 +82,7 @@ class DrafterStats:
         return out
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("steps", "proposals", "drafted_tokens",
+        d = {k: getattr(self, k) for k in ("steps", "proposals", "cross_proposals", "drafted_tokens",
                                            "accepted_tokens", "verified_drafts", "inactive_steps")}
         d["acceptance_share"] = d["accepted_tokens"] / d["drafted_tokens"] if d["drafted_tokens"] else 0.0
         return d
@@ -106,14 +116,17 @@ class SamDrafter:
     drafts stop where the scheduler could not verify them; ``history_tokens`` (0: off) and
     ``history_per_prompt``: finished responses kept per prompt (see ``history.py``) seed the
     automaton of that prompt's later requests; ``token_cost`` (0: draft all k) and
-    ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`). The flags of the ``sam`` feature map one to
-    one onto these arguments (see ``vllm_proposer.build_drafter``)."""
+    ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`);
+    ``cross_prompt_tokens`` (0: off): an automaton shared by all prompts, holding every
+    request's text (finished ones' too) up to that many tokens (then a fresh one replaces
+    it), drafts for a request whose own automaton has no candidate. The flags of the ``sam``
+    feature map one to one onto these arguments (see ``vllm_proposer.build_drafter``)."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
                  max_model_len: int | None = None, history_tokens: int = 0,
                  history_per_prompt: int = 8, token_cost: float = 0.0,
-                 compute_bound_batch: int = 64):
+                 compute_bound_batch: int = 64, cross_prompt_tokens: int = 0):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
@@ -127,6 +140,12 @@ class SamDrafter:
         self.history = (ResponseHistory(history_tokens, history_per_prompt)
                         if history_tokens > 0 else None)
         self._prompt_of: dict[str, tuple[bytes, int]] = {}
+        if cross_prompt_tokens < 0:
+            raise ValueError(f"cross_prompt_tokens must be >= 0, got {cross_prompt_tokens}")
+        # the cross-prompt automaton (-1: none yet or off) and its token budget
+        self.cross_prompt_tokens = int(cross_prompt_tokens)
+        self._cross = -1
+        self.cross_rotations = 0  # times the cross-prompt automaton reached its budget
         self._tally = fresh_tally()
         if not 0.0 <= token_cost <= 1.0:
             raise ValueError(f"token_cost must be in [0, 1], got {token_cost}")
@@ -135,6 +154,7 @@ class SamDrafter:
         self.token_cost = float(token_cost)
         self.compute_bound_batch = int(compute_bound_batch)
         self._cost_of: dict[int, int] = {}  # batch size -> T_COST value
+        self._cost_now = 0  # the value in the tally now
         self.max_model_len = max_model_len
         self._steps = 0
         self._inactive_steps = 0
@@ -189,7 +209,23 @@ class SamDrafter:
         m = self.pool.new_member(a)
         self.member_of[req_id] = m
         self.group_of[req_id] = key
+        if self.cross_prompt_tokens:
+            if self._cross < 0:
+                self._cross = self.pool.new_automaton()
+                self.pool.set_cross(self._cross, self.cross_prompt_tokens, self._rotate_cross)
+            self.pool.link_cross(m, self._cross)
         return m
+
+    def _rotate_cross(self) -> None:
+        """The cross-prompt automaton reached its budget: a fresh one replaces it (its memory
+        goes back at once), and live requests continue in it from their next token."""
+        old, pool = self._cross, self.pool
+        self._cross = pool.new_automaton()
+        pool.set_cross(self._cross, self.cross_prompt_tokens, self._rotate_cross)
+        for m in self.member_of.values():
+            pool.link_cross(m, self._cross, from_token=int(pool.members[m, B_NTOK]))
+        pool.free_automaton(old)
+        self.cross_rotations += 1
 
     def _seed(self, automaton: int, prompt: np.ndarray, responses) -> None:
         """Put earlier responses to ``prompt`` (each after the prompt, as it was generated)
@@ -208,6 +244,9 @@ class SamDrafter:
         prompt = self._prompt_of.pop(req_id, None)
         if m is None:
             return
+        x = int(self.pool.members[m, B_CROSS])
+        if x >= 0:  # its text stays in the cross-prompt automaton for later requests
+            self.pool.release_member(x, keep_text=True)
         if prompt is not None:
             self.history.add(prompt[0], self.pool.member_text(m)[prompt[1]:])
         self._key_ids = []  # the cached batch may hold this member
@@ -279,7 +318,8 @@ class SamDrafter:
         if cost >= COST_SCALE and k:  # compute-bound: no draft pays for its verification
             self._inactive_steps += 1
             k = 0
-        self._tally[T_COST] = cost
+        if cost != self._cost_now:  # a numpy write costs more than the compare
+            self._tally[T_COST] = self._cost_now = cost
         return self.pool.ingest_own_rows(self._batch, token_ids, num_tokens, k, self._tally)
 
     def propose_rows(self, req_ids, rows, token_ids, num_tokens, prompt_lens=None,

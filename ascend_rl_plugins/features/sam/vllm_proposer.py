@@ -34,15 +34,16 @@ def is_sam_config(vllm_config) -> bool:
 
 def drafter_settings(vllm_config) -> dict:
     """``SamDrafter`` keyword arguments from the engine config and the feature's flags."""
-    from . import (ADAPTIVE, BATCH_THRESHOLD, COMPUTE_BOUND_BATCH, GROUP, HISTORY_PER_PROMPT,
-                   HISTORY_TOKENS, MIN_MATCH, RECENT_LEN, TOKEN_COST)
+    from . import (ADAPTIVE, BATCH_THRESHOLD, COMPUTE_BOUND_BATCH, CROSS_PROMPT_TOKENS, GROUP,
+                   HISTORY_PER_PROMPT, HISTORY_TOKENS, MIN_MATCH, RECENT_LEN, TOKEN_COST)
     spec = vllm_config.speculative_config
     return dict(k=int(spec.num_speculative_tokens), min_match=MIN_MATCH.value,
                 group=GROUP.value, batch_threshold=BATCH_THRESHOLD.value,
                 recent_len=RECENT_LEN.value, adaptive=ADAPTIVE.value,
                 max_model_len=int(vllm_config.model_config.max_model_len),
                 history_tokens=HISTORY_TOKENS.value, history_per_prompt=HISTORY_PER_PROMPT.value,
-                token_cost=TOKEN_COST.value, compute_bound_batch=COMPUTE_BOUND_BATCH.value)
+                token_cost=TOKEN_COST.value, compute_bound_batch=COMPUTE_BOUND_BATCH.value,
+                cross_prompt_tokens=CROSS_PROMPT_TOKENS.value)
 
 
 def build_drafter(vllm_config, **overrides) -> SamDrafter:
@@ -70,11 +71,12 @@ class _SamProposerMixin:
         started = time.perf_counter()
         compile_step_kernel()
         log.info("ascend-rl: SAM drafter k=%d min_match=%d group=%s batch_threshold=%d "
-                 "token_cost=%g compute_bound_batch=%d history_tokens=%d (kernel ready in "
-                 "%.2f s)", self.k, self.sam.pool.min_match, self.sam.group,
-                 self.sam.batch_threshold, self.sam.token_cost, self.sam.compute_bound_batch,
+                 "token_cost=%g compute_bound_batch=%d history_tokens=%d "
+                 "cross_prompt_tokens=%d (kernel ready in %.2f s)", self.k,
+                 self.sam.pool.min_match, self.sam.group, self.sam.batch_threshold,
+                 self.sam.token_cost, self.sam.compute_bound_batch,
                  self.sam.history.max_tokens if self.sam.history else 0,
-                 time.perf_counter() - started)
+                 self.sam.cross_prompt_tokens, time.perf_counter() - started)
 
     def bind_input_batch(self, input_batch) -> None:
         self.input_batch = input_batch

@@ -22,6 +22,7 @@ ENV = {
     "ASCEND_RL_SAM_COMPUTE_BOUND_BATCH": "8",
     "ASCEND_RL_SAM_HISTORY_TOKENS": "4096",
     "ASCEND_RL_SAM_HISTORY_PER_PROMPT": "4",
+    "ASCEND_RL_SAM_CROSS_PROMPT_TOKENS": "2048",
 }
 K = 3
 MAX_MODEL_LEN = 256
@@ -139,12 +140,16 @@ def run() -> dict:
                         "token_cost": sam.token_cost,
                         "compute_bound_batch": sam.compute_bound_batch,
                         "history_tokens": sam.history.max_tokens if sam.history else 0,
-                        "history_per_prompt": sam.history.per_prompt if sam.history else 0}}
+                        "history_per_prompt": sam.history.per_prompt if sam.history else 0,
+                        "cross_prompt_tokens": sam.cross_prompt_tokens}}
     res["outputs"] = _workloads(llm)
     res["stats"] = sam.stats.as_dict()
     res["accepted"] = {r.split("-")[0]: n for r, n in sam.stats.per_request_accepted.items()}
     res["events"] = rec.events
     res["live_members_after"] = sam.pool.live_members()
+    res["cross"] = {"tokens": sam.pool.tokens(sam._cross) if sam._cross >= 0 else 0,
+                    "replaced": sam.cross_rotations,
+                    "proposals": sam.stats.cross_proposals}
     res["history"] = {"stored": sam.history.counters.stored, "seeded": sam.history.counters.seeded}
     res["patches"] = {p.name: p.outcome.state for p in REGISTRY.patches.values()
                       if p.feature.name in ("sam", "cpu_spec_decode")}

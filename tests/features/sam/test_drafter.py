@@ -515,3 +515,128 @@ def test_draft_length_flags_are_refused_by_name_when_out_of_range(monkeypatch):
         SamDrafter(3, token_cost=2.0)
     with pytest.raises(ValueError, match="compute_bound_batch"):
         SamDrafter(3, compute_bound_batch=0)
+
+
+# -- the cross-prompt automaton: drafts where a request's own automaton has no candidate ----------
+
+def test_a_token_new_to_its_group_drafts_from_another_prompts_text():
+    """Request b (prompt B) writes what request a (prompt A, finished) wrote. Its own group
+    never saw ``10``: no candidate, so the cross-prompt automaton drafts a's continuation;
+    with it off b drafts nothing. Once b's own text has a candidate, that one is used."""
+    a_text, b_text = [1, 2, 10, 11, 12, 13, 14], [3, 4, 10, 11, 12, 13, 14]
+    for cross in (0, 1024):
+        d = SamDrafter(3, group=True, cross_prompt_tokens=cross)
+        _one_step_rollout(d, "a", a_text, 2)
+        got = _one_step_rollout(d, "b", b_text, 2)
+        assert got[0] == ([11, 12, 13] if cross else [])
+        assert (d.stats.cross_proposals > 0) == bool(cross)
+        if cross:
+            assert d.pool.live_automata() == 1  # only the cross-prompt one stays
+        else:
+            assert d.pool.live_automata() == 0
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=2, max_size=3),
+       st.lists(st.integers(1, 3), min_size=3, max_size=3), st.integers(1, 4), st.integers(1, 3),
+       st.booleans(), st.integers(1, 6))
+def test_with_prompts_decoded_together_drafts_are_the_groups_else_the_cross_prompt_oracles(
+        answers, siblings, k, min_match, adaptive, recent_len):
+    """Several prompts, each with 1-3 siblings writing the same answer, all decoded in one
+    batch (greedy verification). Every draft is the brute force's over the request's own
+    group when that has a candidate, else the brute force's over every request's text in
+    the order the batch fed it (the cross-prompt automaton); with it off, the former only."""
+    rows = []  # (prompt index, text)
+    for p, ans in enumerate(answers):
+        prompt = [20 + p, 30 + p]
+        rows += [(p, prompt + ans)] * siblings[p]
+    tokens = matrix(*[t for _, t in rows])
+    plens = counts(*[2] * len(rows))
+    d = SamDrafter(k, group=True, min_match=min_match, adaptive=adaptive, recent_len=recent_len,
+                   cross_prompt_tokens=1 << 16)
+    groups = [BruteForceGroup() for _ in answers]
+    everyone = BruteForceGroup()
+    for i, (p, _) in enumerate(rows):
+        groups[p].add_member(i)
+        everyone.add_member(i)
+    seen = [0] * len(rows)
+    num = [3] * len(rows)
+    live = list(range(len(rows)))
+    while live:
+        drafts, cnt = d.propose_arrays([f"r{i}" for i in live], live, tokens,
+                                       counts(*[num[i] if i in live else 0 for i in range(len(rows))]),
+                                       prompt_lens=plens)
+        for j, i in enumerate(live):
+            p, text = rows[i]
+            own = cross = []
+            for t in text[seen[i]:num[i]]:
+                _, _, own = groups[p].append(i, t, k, min_match, recent_len=recent_len,
+                                             adaptive=adaptive)
+                _, _, cross = everyone.append(i, t, k, min_match, recent_len=recent_len,
+                                              adaptive=adaptive)
+            seen[i] = num[i]
+            got = drafts[j, :cnt[j]].tolist()
+            assert got == (own or cross), (i, num[i], got, own, cross)
+            truth = text[num[i]:num[i] + k]
+            acc = 0
+            while acc < min(len(got), len(truth)) and got[acc] == truth[acc]:
+                acc += 1
+            num[i] = min(num[i] + acc + 1, len(text))
+        live = [i for i in live if num[i] < len(rows[i][1])]
+
+
+def test_a_step_that_outgrows_the_hash_arena_in_the_cross_prompt_automaton_resumes():
+    """The cross-prompt automaton gets every request's tokens after its own automaton did; it
+    holds the most text, so its hash outgrows the shared arena inside a step and the kernel
+    returns to Python to grow it. The step resumes with the request's own draft kept (not
+    replaced by the cross-prompt one, which differs: c copies a, and b's own text is more
+    recent in its own automaton than in the shared one) and no token ingested twice or
+    skipped."""
+    rng = np.random.default_rng(5)
+    a, b, lead = (rng.integers(0, 300, n).tolist() for n in (3000, 3000, 100))
+    texts = [a, b, lead + a[:2900]]  # c writes what a wrote, 100 tokens later
+    tokens = np.zeros((3, 3100), np.int32)
+    for i, t in enumerate(texts):
+        tokens[i, : len(t)] = t
+    plain, d = SamDrafter(4), SamDrafter(4, cross_prompt_tokens=1 << 16)
+    growths = 0
+    for n in range(500, 3001, 500):
+        want = plain.propose_rows(["a", "b", "c"], [0, 1, 2], tokens, counts(n, n, n))
+        arena = d.pool.HA.shape[0]
+        got = d.propose_rows(["a", "b", "c"], [0, 1, 2], tokens, counts(n, n, n))
+        growths += d.pool.HA.shape[0] > arena
+        for row in range(3):
+            assert got.get(row) == want.get(row) or not want.get(row), (n, row)
+        members = d.pool.members
+        for r in "abc":
+            m = d.member_of[r]
+            assert int(members[m, 3]) == n and int(members[int(members[m, 15]), 3]) == n
+        assert d.pool.tokens(d._cross) == 3 * n
+    assert growths >= 2
+
+
+def test_the_cross_prompt_automaton_is_replaced_at_its_budget():
+    """Its tokens stay within the budget plus one step's tokens; live requests go on in the
+    fresh one from their next token, and its memory does not grow with the stream."""
+    rng = np.random.default_rng(7)
+    texts = [[50 + i, 60 + i] + rng.integers(0, 6, 600).tolist() for i in range(2)]
+    tokens = np.zeros((2, 700), np.int32)
+    for i, t in enumerate(texts):
+        tokens[i, : len(t)] = t
+    d = SamDrafter(3, group=True, cross_prompt_tokens=100)
+    sizes, drafted_after = [], 0
+    for n in range(3, 600):
+        got = d.propose_rows(["x", "y"], [0, 1], tokens, counts(n, n), prompt_lens=counts(2, 2))
+        assert d.pool.tokens(d._cross) < 100  # replaced after the step that reached it
+        sizes.append(d.memory_bytes())
+        drafted_after += bool(got) and d.cross_rotations > 0
+    assert d.cross_rotations >= 10 and drafted_after > 0
+    assert d.pool.live_automata() == 3  # two groups and one cross-prompt automaton
+    assert max(sizes[300:]) <= 2 * max(sizes[:300])
+    with pytest.raises(ValueError, match="cross_prompt_tokens"):
+        SamDrafter(3, cross_prompt_tokens=-1)
+
+
+def test_cross_prompt_flag_is_refused_by_name_when_out_of_range(monkeypatch):
+    from ascend_rl_plugins.features.sam import CROSS_PROMPT_TOKENS
+    _refused_by_name(monkeypatch, ((CROSS_PROMPT_TOKENS, "-1"), (CROSS_PROMPT_TOKENS, "lots")))
