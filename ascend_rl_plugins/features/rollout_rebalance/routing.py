@@ -313,8 +313,11 @@ class RoutingPolicy:
         for position, replica in enumerate(self.replicas.values()):
             if not self._fits(replica, expected):
                 continue
-            key = (0 if pack and replica.groups.get(group) else 1, replica.load(),
-                   len(replica.inflight), position)
+            siblings = replica.groups.get(group, 0)
+            # pack: a replica running a sibling first; spread: the fewest siblings first (a
+            # GRPO group's lengths are correlated: its siblings spread over the replicas share
+            # its long tail out instead of one replica decoding several of them)
+            key = (-min(siblings, 1) if pack else siblings, replica.load(), len(replica.inflight), position)
             if best_key is None or key < best_key:
                 best, best_key = replica.server_id, key
         return best
