@@ -271,7 +271,7 @@ def plan_moves(replicas: list[ReplicaView], step: StepCostModel, transfer: Trans
             top = dst.longest()
             stall = cost if method == "prefill" else 0.0
             dst_after = stall + (remaining[top.request_id] * dst_step_s if top is not None else 0.0)
-            gain = finish_here - finish_there
+            gain = left * (src_step_s - dst_step_s)  # its remaining decode, on faster steps
             if gain <= cost + settings.margin_s or max(finish_there, dst_after) >= finish_here:
                 continue
             key = (finish_there, dst.view.server_id)
