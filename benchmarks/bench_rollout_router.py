@@ -23,13 +23,20 @@ Policies, compared in one deterministic run per scenario:
 * ``this router``: :mod:`ascend_rl_plugins.features.rollout_rebalance.routing` itself (the
   code verl loads), fed what it sees in verl: durations at release, KV size/use and mean
   generated length from vLLM's /metrics every ``metrics_interval`` s;
-* ``this router + KV migration`` (*simulated*, no transport in this change): plus, every
-  ``migration_interval`` s once the router's queue is empty, a replica with nothing to do
-  takes the running request with the most generated tokens from the replica running the most,
-  with its KV (``tokens x kv_bytes_per_token / link``) or by re-prefill, whichever costs less,
-  charged to the destination;
+* ``this router + KV migration`` (*simulated*: the planner is the feature's code, the transport
+  is not built here): the router with ``WITH_MIGRATION`` settings, plus every
+  ``migrate_every`` s :func:`tail_policy.plan_moves` on what a migration controller reads
+  (:meth:`ThisRouter.views`), its moves applied: queued requests re-prefill at their
+  destination; running ones move with their KV (they pause for ``tokens x kv_bytes_per_token /
+  link``, the destination keeps decoding: vLLM's KV connector loads asynchronously) or by
+  re-prefill (stalling the destination), whichever the planner's cost model says is cheaper;
 * ``pooled engine``: one engine with R x the KV, slots and prefill rate, its step that of R
-  replicas sharing the batch evenly: the reference the issue names.
+  replicas sharing the batch evenly: the reference the issue names (not a bound: it admits
+  FIFO and preempts like vLLM); :func:`lower_bounds` gives two bounds for any policy.
+
+The step model is ``tail_policy.StepCostModel`` with ``bench_rollout_rebalance``'s fit to the
+recipe doc's TPOT figures (uncalibrated for an independent replica); the transfer model is
+``tail_policy.TransferCostModel`` with the workload's figures (assumptions).
 
 Run: ``python benchmarks/bench_rollout_router.py`` (all three scenarios and the settings sweep;
 ``--quick`` shrinks them).
@@ -44,7 +51,7 @@ import os
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
