@@ -23,13 +23,20 @@ Policies, compared in one deterministic run per scenario:
 * ``this router``: :mod:`ascend_rl_plugins.features.rollout_rebalance.routing` itself (the
   code verl loads), fed what it sees in verl: durations at release, KV size/use and mean
   generated length from vLLM's /metrics every ``metrics_interval`` s;
-* ``this router + KV migration`` (*simulated*, no transport in this change): plus, every
-  ``migration_interval`` s once the router's queue is empty, a replica with nothing to do
-  takes the running request with the most generated tokens from the replica running the most,
-  with its KV (``tokens x kv_bytes_per_token / link``) or by re-prefill, whichever costs less,
-  charged to the destination;
+* ``this router + KV migration`` (*simulated*: the planner is the feature's code, the transport
+  is not built here): the router with ``WITH_MIGRATION`` settings, plus every
+  ``migrate_every`` s :func:`tail_policy.plan_moves` on what a migration controller reads
+  (:meth:`ThisRouter.views`), its moves applied: queued requests re-prefill at their
+  destination; running ones move with their KV (they pause for ``tokens x kv_bytes_per_token /
+  link``, the destination keeps decoding: vLLM's KV connector loads asynchronously) or by
+  re-prefill (stalling the destination), whichever the planner's cost model says is cheaper;
 * ``pooled engine``: one engine with R x the KV, slots and prefill rate, its step that of R
-  replicas sharing the batch evenly: the reference the issue names.
+  replicas sharing the batch evenly: the reference the issue names (not a bound: it admits
+  FIFO and preempts like vLLM); :func:`lower_bounds` gives two bounds for any policy.
+
+The step model is ``tail_policy.StepCostModel`` with ``bench_rollout_rebalance``'s fit to the
+recipe doc's TPOT figures (uncalibrated for an independent replica); the transfer model is
+``tail_policy.TransferCostModel`` with the workload's figures (assumptions).
 
 Run: ``python benchmarks/bench_rollout_router.py`` (all three scenarios and the settings sweep;
 ``--quick`` shrinks them).
@@ -44,15 +51,14 @@ import os
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_rollout_rebalance import ATTN_DOC_MS, BASE_DOC, LADDER, _interp  # noqa: E402
+from bench_rollout_rebalance import ATTN_DOC_MS, BASE_DOC, LADDER  # noqa: E402
 
-from ascend_rl_plugins.features.rollout_rebalance import routing  # noqa: E402
-from ascend_rl_plugins.features.rollout_rebalance.planner import bucket  # noqa: E402
+from ascend_rl_plugins.features.rollout_rebalance import routing, tail_policy  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,16 @@ class Tally:
     rebalances: int = 0
 
 
+def step_model(w: Workload) -> tail_policy.StepCostModel:
+    """A replica's decode step (``bench_rollout_rebalance``'s doc fit: base by graph batch +
+    attention over the context, ``ATTN_DOC_MS`` for a full KV cache). Uncalibrated."""
+    return tail_policy.StepCostModel(tuple(sorted(BASE_DOC.items())), ATTN_DOC_MS / w.kv_tokens, LADDER)
+
+
+def transfer_model(w: Workload) -> tail_policy.TransferCostModel:
+    return tail_policy.TransferCostModel(w.kv_bytes_per_token, w.link_bytes_per_s, w.prefill_tokens_per_s)
+
+
 class Replica:
     """One vLLM server replica (``scale`` > 1: the pooled engine of that many replicas)."""
 
@@ -156,7 +172,8 @@ class Replica:
     # -- time ------------------------------------------------------------------------------
     def _base(self) -> float:
         n = len(self.running)
-        return _interp(BASE_DOC, bucket(-(-n // self.scale), LADDER)) if n else 0.0
+        model = self.sim.step_model  # the pooled engine: its batch shared by ``scale`` replicas
+        return model.base(model.padded(-(-n // self.scale))) if n else 0.0
 
     def seconds(self, k: int) -> float:
         n = len(self.running)
@@ -269,6 +286,9 @@ class Simulation:
         self.replicas = [Replica(self, 0, scale=w.replicas)] if pooled else [
             Replica(self, i) for i in range(w.replicas)]
         self.tally = Tally()
+        self.step_model = step_model(w)
+        self.transfer_model = transfer_model(w)
+        self.in_transit = 0  # requests whose KV is on the link (between two replicas)
         self.now = 0.0
         self.events: list = []
         self.seq = 0
@@ -288,7 +308,11 @@ class Simulation:
             r.admit()
 
     def sync(self, r: Replica, t: float) -> None:
-        """Bring ``r`` forward to time ``t`` (no event of its own falls before ``t``)."""
+        """Bring ``r`` forward to time ``t`` (no event of its own falls before ``t``). An idle
+        replica's clock moves to ``t``: work handed to it starts no earlier than it is handed."""
+        if not r.running:
+            r.time = max(r.time, t)
+            return
         limit = r.next_event_step()
         k = r.steps_within(t - r.time)
         if limit is not None:
@@ -321,6 +345,13 @@ class Simulation:
             self.now = max(self.now, t)
             if kind == "arrive":
                 self.policy.arrive(self, data[0], data[1])
+            elif kind == "land":  # a request whose KV arrived: it runs there, no prefill
+                rid, gen, index = data
+                r = self.replicas[index]
+                self.sync(r, self.now)
+                r._start(rid, gen)
+                self.in_transit -= 1
+                self.schedule(r)
             elif kind == "check":
                 if remaining:
                     self.policy.check(self)
@@ -417,19 +448,29 @@ class AbortResubmit(LeastInflight):
 
 
 class ThisRouter(Policy):
-    """The router verl loads (routing.RoutingPolicy), fed what it sees there."""
+    """The router verl loads (routing.RoutingPolicy), fed what it sees there; with
+    ``migrate_every`` > 0, plus the tail-migration planner (tail_policy.plan_moves) every that
+    many seconds, fed what a migration controller reads from the servers."""
 
     def __init__(self, settings: routing.RouterSettings, metrics_interval: float = 1.0,
-                 migrate_every: float = 0.0):
+                 migrate_every: float = 0.0, tail: tail_policy.TailSettings | None = None):
         self.policy = routing.RoutingPolicy(settings)
         self.check_every = metrics_interval
         self.migrate_every = migrate_every
+        self.tail = tail or tail_policy.TailSettings()
         self.next_migration = 0.0
-        self.started: dict[int, float] = {}
         self.gen_sum = 0.0
         self.gen_count = 0
+        self.batch = -1
+        self.pending_gen: dict[int, int] = {}
+
+    def key(self, rid: int) -> str:
+        """The request id verl would pass: unique per request (a uuid there), so a later
+        generation batch's request is never mistaken for a sticky multi-turn continuation."""
+        return f"{self.batch}:{rid}"
 
     def begin(self, sim, req, start):
+        self.batch += 1
         if not self.policy.replicas:
             for r in sim.replicas:
                 self.policy.add_replica(str(r.index), r.slots)
@@ -449,22 +490,18 @@ class ThisRouter(Policy):
 
     def _bound(self, sim, dispatches):
         for d in dispatches:
-            rid = int(d.request_id)
+            rid = int(d.request_id.rsplit(":", 1)[1])
             sim.deliver(rid, int(d.server_id), self.pending_gen.pop(rid, 0))
 
-    pending_gen: dict
-
     def arrive(self, sim, rid, gen):
-        if not hasattr(self, "pending_gen"):
-            self.pending_gen = {}
         self.pending_gen[rid] = gen
-        self._bound(sim, self.policy.submit(str(rid), int(sim.req.prompt[rid]),
+        self._bound(sim, self.policy.submit(self.key(rid), int(sim.req.prompt[rid]),
                                             str(int(sim.req.group[rid])), sim.now))
 
     def finish(self, sim, rid, replica, t):
         self.gen_sum += float(sim.req.length[rid])
         self.gen_count += 1
-        self.policy.release(str(replica), str(rid), t)
+        self.policy.release(str(replica), self.key(rid), t)
         self._bound(sim, self.policy.dispatch(t))
 
     def report(self, sim):
@@ -477,72 +514,66 @@ class ThisRouter(Policy):
     def check(self, sim):
         self.report(sim)
         self._bound(sim, self.policy.dispatch(sim.now))
-        if self.migrate_every and sim.now >= self.next_migration and not self.policy.queued:
+        if self.migrate_every and sim.now >= self.next_migration:
             self.next_migration = sim.now + self.migrate_every
             self.migrate(sim)
 
+    def views(self, sim) -> list[tail_policy.ReplicaView]:
+        """What a migration controller reads: per replica its running requests (prompt and
+        generated tokens) and queued ones, KV capacity, slots; per request the router's
+        expected response for its prompt (siblings, history, the servers' mean)."""
+        out = []
+        for r in sim.replicas:
+            def view(rid, gen):
+                prompt, group = int(sim.req.prompt[rid]), str(int(sim.req.group[rid]))
+                return tail_policy.RequestView(str(rid), prompt, gen,
+                                               self.policy.expected_tokens(prompt, group) - prompt)
+            out.append(tail_policy.ReplicaView(
+                str(r.index), r.kv, r.slots,
+                running=[view(rid, r.generated(rid)) for rid in r.running],
+                queued=[view(rid, gen) for rid, gen in r.waiting]))
+        return out
+
     def migrate(self, sim):
-        """Simulated tail migration, once the router's queue is empty: requests a replica has
-        queued (preempted, or not admitted) go to the replica with the most KV room; then, while
-        request counts differ by 2 or more, the most loaded replica's longest-running request
-        moves to the least loaded one, with its KV or by re-prefill, whichever costs less
-        (charged to the destination). At most one move per replica per check."""
-        w = sim.w
+        """One round of the tail-migration planner, applied: a queued request re-prefills at
+        its destination; a running one moves with its KV (it pauses for the transfer, then
+        runs at the destination without a prefill: the connector loads asynchronously, the
+        destination's batch keeps decoding) or by re-prefill (the destination's batch stalls
+        for the prefill, as on admission)."""
         for r in sim.replicas:
             sim.sync(r, sim.now)
-
-        def room(r):
-            return r.kv - r.context() - len(r.running) * 512
-
-        touched = set()
-        for src in sorted(sim.replicas, key=lambda r: (-len(r.waiting), r.index)):
-            while src.waiting:
-                rid, gen = src.waiting[-1]
-                need = int(sim.req.prompt[rid]) + gen + 1
-                dst = max((r for r in sim.replicas if r is not src and r.index not in touched
-                           and len(r.running) < r.slots), key=lambda r: (room(r), -r.index), default=None)
-                if dst is None or room(dst) < need:
-                    break
-                src.waiting.pop()
-                self._move(sim, rid, gen, src, dst, 0.0)
-                touched.add(dst.index)
-        for _ in range(len(sim.replicas)):
-            free = [r for r in sim.replicas if r.index not in touched]
-            if len(free) < 2:
-                break
-            src = max(free, key=lambda r: (len(r.running), r.context(), -r.index))
-            dst = min(free, key=lambda r: (len(r.running) + len(r.waiting), r.context(), r.index))
-            if len(src.running) - (len(dst.running) + len(dst.waiting)) < 2:
-                break
-            rid = max(src.running, key=lambda x: (src.generated(x), -x))
-            tokens = int(sim.req.prompt[rid]) + src.generated(rid)
-            if room(dst) < tokens:
-                break
-            gen = src.stop(rid)
-            by_kv = tokens * w.kv_bytes_per_token / w.link_bytes_per_s
-            by_prefill = tokens / w.prefill_tokens_per_s
-            sim.tally.moved_kv += by_kv <= by_prefill
-            sim.tally.moved_bytes += tokens * w.kv_bytes_per_token if by_kv <= by_prefill else 0
-            self._move(sim, rid, gen, src, dst, min(by_kv, by_prefill), running=True)
-            touched.update((src.index, dst.index))
-
-    def _move(self, sim, rid, gen, src, dst, cost, running=False):
-        sim.tally.moved += 1
-        dst.time = max(dst.time, sim.now) + cost + 0.002
-        if running:  # it keeps its KV: runs at the destination without a prefill
-            dst._start(rid, gen)
-        else:
-            dst.waiting.append((rid, gen))
-            dst.admit()
-        sim.where[rid] = dst.index
-        books = self.policy.replicas
-        expected = books[str(src.index)].inflight.pop(str(rid), None)
-        if expected is not None:  # the router's books follow the request
-            books[str(src.index)].expected_tokens -= expected
-            books[str(dst.index)].inflight[str(rid)] = expected
-            books[str(dst.index)].expected_tokens += expected
-        sim.schedule(src)
-        sim.schedule(dst)
+        moves = tail_policy.plan_moves(self.views(sim), sim.step_model, sim.transfer_model,
+                                       sim.w.max_response, self.tail)
+        for m in moves:
+            rid = int(m.request_id)
+            src, dst = sim.replicas[int(m.source)], sim.replicas[int(m.destination)]
+            sim.tally.moved += 1
+            if m.method == "queued":
+                gen = next(g for x, g in src.waiting if x == rid)
+                src.waiting.remove((rid, gen))
+                dst.waiting.append((rid, gen))
+                dst.admit()
+            else:
+                gen = src.stop(rid)
+                if m.method == "kv":
+                    tokens = int(sim.req.prompt[rid]) + gen
+                    sim.tally.moved_kv += 1
+                    sim.tally.moved_bytes += tokens * sim.w.kv_bytes_per_token
+                    sim.in_transit += 1
+                    sim.push(sim.now + m.cost_s, "land", (rid, gen, dst.index))
+                else:
+                    dst.waiting.appendleft((rid, gen))
+                    dst.admit()
+            sim.where[rid] = dst.index
+            books = self.policy.replicas
+            key = self.key(rid)
+            expected = books[str(src.index)].inflight.pop(key, None)
+            if expected is not None:  # the router's books follow the request
+                books[str(src.index)].expected_tokens -= expected
+                books[str(dst.index)].inflight[key] = expected
+                books[str(dst.index)].expected_tokens += expected
+            sim.schedule(src)
+            sim.schedule(dst)
 
 
 def run(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tally]:
@@ -563,12 +594,20 @@ def simulate(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tal
     return t, sim.tally, finished
 
 
+# The router's settings under migration: no expected-size KV gate (kv_budget 16 is its upper
+# bound): with migration on, a replica that overfills has its queued (preempted) requests moved
+# to replicas with room, so holding requests back in the router (which starts unrecognised long
+# ones late: they set the makespan) costs more than it saves. Measured: the sweep below.
+WITH_MIGRATION = {"kv_budget": 16.0}
+
+
 def policies(w: Workload, defaults: routing.RouterSettings):
+    migrating = replace(defaults, **WITH_MIGRATION)
     return [
         ("verl least-in-flight", lambda: LeastInflight(w.seed), False),
         ("verl abort-and-resubmit", lambda: AbortResubmit(w.seed), False),
         ("this router", lambda: ThisRouter(defaults), False),
-        ("this router + KV migration (simulated)", lambda: ThisRouter(defaults, migrate_every=5.0), False),
+        ("this router + KV migration (simulated)", lambda: ThisRouter(migrating, migrate_every=5.0), False),
         ("pooled engine (reference)", lambda: LeastInflight(w.seed), True),
     ]
 
@@ -586,12 +625,34 @@ def compare(w: Workload, defaults: routing.RouterSettings, seeds: int) -> list:
     return rows
 
 
+def lower_bounds(w: Workload) -> tuple[float, float]:
+    """Two makespan lower bounds in this model, any policy: (1) the longest response decoded
+    alone, at the smallest batch's step and no other context; (2) all the work spread evenly,
+    every token at the full batch's per-token base cost plus its exact attention cost (the
+    attention part of a step is linear in context, so its total is fixed by the lengths).
+    Per generation batch, summed over batches."""
+    model = step_model(w)
+    alone = work = 0.0
+    for req in make_batches(w):
+        length, prompt = req.length.astype(float), req.prompt.astype(float)
+        i = int(np.argmax(length))
+        alone += (prompt[i] / w.prefill_tokens_per_s + length[i] * model.base(model.padded(1)) / 1000
+                  + model.attention_ms_per_token * (prompt[i] * length[i] + length[i] ** 2 / 2) / 1000)
+        full = w.max_num_seqs
+        work += (length.sum() * model.base(model.padded(full)) / full
+                 + model.attention_ms_per_token * (prompt * length + length ** 2 / 2).sum()) / 1000 / w.replicas
+    return alone, work
+
+
 def print_rows(w: Workload, rows) -> dict:
     base = np.array(rows[0][1])
     pooled = np.array(rows[-1][1])
     print(f"\n== {w.name}: {w.replicas} replicas x {w.max_num_seqs} slots, {w.kv_tokens // 1000}K KV "
           f"tokens each; {w.batches} x {w.prompts} prompts x n={w.n}; response median "
           f"{w.median_response}, max {w.max_response}; history {w.history:.0%}; {len(base)} seeds")
+    alone, work = lower_bounds(w)
+    print(f"lower bounds (seed {w.seed}): longest response alone {alone:.0f} s; all work evenly at "
+          f"full-batch cost {work:.0f} s")
     print("| policy | makespan s (mean) | vs least-in-flight (mean; worst seed) | vs pooled (mean) "
           "| preempted | prefill M tokens | moved (with KV) | KV GB | aborted |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -129,8 +129,9 @@ FEATURE.wrap("vllm.entrypoints.offline_utils:OfflineInferenceMixin._run_engine",
 
 ROUTER_SIBLINGS = flags.define(
     "ASCEND_RL_ROUTER_SIBLINGS", "enum", "spread",
-    "verl 0.9 router: where GRPO siblings (same prompt tokens) go: 'spread' (by load alone) or "
-    "'pack' (prefer a replica running a sibling: prefix-cache hits, less balance). Router YAML "
+    "verl 0.9 router: where GRPO siblings (same prompt tokens) go: 'spread' (a replica holding "
+    "the fewest siblings, then by load) or 'pack' (prefer a replica running a sibling: "
+    "prefix-cache hits, less balance). Router YAML "
     "key: siblings.", choices=("spread", "pack"), feature="rollout_rebalance")
 ROUTER_ORDER = flags.define(
     "ASCEND_RL_ROUTER_ORDER", "enum", "longest_first",

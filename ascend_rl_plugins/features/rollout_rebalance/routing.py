@@ -21,10 +21,12 @@ replica the moment it arrives):
   of last. Expected sizes come from finished siblings of the same GRPO group (same prompt
   tokens), from the same prompt in past steps (the same key: its statistics persist, newer
   observations weighing more), and from the mean response length the servers report.
-* **Expected-work placement.** Among replicas with room, the one whose expected final tokens
-  are the smallest share of its KV capacity (request counts when the capacity is unknown).
-  ``siblings='pack'`` instead prefers a replica already running a sibling (its prefix cache
-  holds the shared prompt); the simulator measures both and ``spread`` is the default.
+* **Expected-work placement.** Among replicas with room, with ``siblings='spread'`` (the
+  default) one holding the fewest siblings of the request's GRPO group (a group's lengths are
+  correlated: spread out, its long tail is shared by many replicas instead of decoded by one),
+  then the one whose expected final tokens are the smallest share of its KV capacity (request
+  counts when the capacity is unknown). ``siblings='pack'`` instead prefers a replica already
+  running a sibling (its prefix cache holds the shared prompt); the simulator measures both.
 
 What it observes, and from where (the router reads nothing it cannot get from verl or vLLM):
 a finished request's *duration* (acquire to release: verl's release RPC carries no token
@@ -56,7 +58,7 @@ class RouterSettings:
     """How the router decides. Every field is validated here; ``router.settings_from``
     reads them from the YAML verl loads and the ``ASCEND_RL_ROUTER_*`` flags."""
 
-    siblings: str = "spread"  # 'spread': placement by load only; 'pack': prefer a sibling's replica
+    siblings: str = "spread"  # 'spread': fewest siblings, then load; 'pack': prefer a sibling's replica
     order: str = "longest_first"  # shared-queue order: 'longest_first' or 'arrival'
     kv_budget: float = 1.5  # expected final tokens in flight per replica, x its KV tokens
     kv_reserve: int = 2048  # and only while its KV in use leaves each request this many tokens to grow
@@ -313,8 +315,11 @@ class RoutingPolicy:
         for position, replica in enumerate(self.replicas.values()):
             if not self._fits(replica, expected):
                 continue
-            key = (0 if pack and replica.groups.get(group) else 1, replica.load(),
-                   len(replica.inflight), position)
+            siblings = replica.groups.get(group, 0)
+            # pack: a replica running a sibling first; spread: the fewest siblings first (a
+            # GRPO group's lengths are correlated: its siblings spread over the replicas share
+            # its long tail out instead of one replica decoding several of them)
+            key = (-min(siblings, 1) if pack else siblings, replica.load(), len(replica.inflight), position)
             if best_key is None or key < best_key:
                 best, best_key = replica.server_id, key
         return best

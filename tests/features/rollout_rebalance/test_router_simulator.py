@@ -54,3 +54,31 @@ def test_migration_and_pooling_never_lose_to_verls_router_on_the_small_workloads
         assert rows["this router + KV migration (simulated)"][0] <= lif, key
         assert rows["pooled engine (reference)"][0] <= lif, key
         assert rows["this router + KV migration (simulated)"][1].moved_kv > 0, key
+
+
+def test_no_policy_beats_the_models_lower_bounds_and_no_kv_is_left_on_the_link():
+    """The lower bounds the README quotes hold for every policy (a model or bound error would
+    show as a makespan below them), and every KV transfer the migration starts lands."""
+    for key, w in SMALL.items():
+        alone, work = bench.lower_bounds(w)
+        for name, make, pooled in _policies(w):
+            policy = make()
+            sim = bench.Simulation(w, policy, pooled=pooled)
+            t = 0.0
+            for req in bench.make_batches(w):
+                t = sim.run_batch(req, t)
+            assert t >= max(alone, work), (key, name)
+            assert sim.in_transit == 0, (key, name)
+
+
+def test_the_replicas_step_is_the_planners_step_model():
+    """The simulated replica charges exactly what tail_policy.StepCostModel (what the
+    migration planner reasons with) says for its batch and context."""
+    w = SMALL["qwen3-235b-32k-grpo"]
+    sim = bench.Simulation(w, bench.LeastInflight(0))
+    sim.req = bench.make_batches(w)[0]
+    r = sim.replicas[0]
+    for rid in range(40):
+        r._start(rid, 100)
+    expected_ms = sim.step_model.step_ms(len(r.running), r.context())
+    assert r.seconds(1) == pytest.approx(expected_ms / 1000)

@@ -231,3 +231,18 @@ def test_kv_reserve_keeps_room_for_the_running_requests_to_grow():
     assert len(bound) == 4 and policy.queued == 2
     policy.report("s0", kv_used_tokens=2_000)  # requests finished elsewhere freed KV
     assert len(policy.dispatch(now=1.0)) == 2
+
+
+def test_spread_places_a_groups_siblings_on_replicas_without_one_first():
+    """spread: a sibling goes to a replica holding none of its group even when a replica with
+    one is less loaded (a group's correlated long tail shared out); pack does the opposite."""
+    policy = _policy(n=2, slots=8)
+    policy.submit("x0", 10, "X", now=0.0)  # s0
+    policy.submit("y0", 10, "Y", now=0.0)  # s1
+    policy.submit("y1", 10, "Y", now=0.0)  # s0 (no Y there yet)
+    policy.submit("y2", 10, "Y", now=0.0)  # s1 (less loaded, both hold one Y)
+    first_x = next(s for s, r in policy.replicas.items() if "x0" in r.inflight)
+    # s0 now holds x0,y1; s1 holds y0,y2: equal counts; X's sibling avoids the replica with x0
+    placed = policy.submit("x1", 10, "X", now=0.0)[0].server_id
+    assert placed != first_x
+

@@ -1,0 +1,128 @@
+"""The verl 0.9 tail-migration planner (tail_policy.plan_moves): which running or queued
+requests move between replicas, how (KV or re-prefill) and only when the gain exceeds the
+cost. Pure, no Ray, no clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from ascend_rl_plugins.features.rollout_rebalance import tail_policy as tp
+
+STEP = tp.StepCostModel(((4, 50.0), (64, 80.0), (256, 124.0)), attention_ms_per_token=75.0 / 850_000,
+                        graph_sizes=(4, 8, 16, 32, 64))
+FAST_LINK = tp.TransferCostModel(kv_bytes_per_token=48128, link_bytes_per_s=20e9, prefill_tokens_per_s=8000)
+SLOW_LINK = tp.TransferCostModel(kv_bytes_per_token=48128, link_bytes_per_s=1e6, prefill_tokens_per_s=8000)
+
+
+def _req(rid, generated=1000, expected=2000, prompt=500):
+    return tp.RequestView(rid, prompt, generated, expected)
+
+
+def _replica(sid, running=(), queued=(), kv=850_000, slots=256):
+    return tp.ReplicaView(sid, kv, slots, running=list(running), queued=list(queued))
+
+
+def _loaded_and_idle():
+    heavy = [_req("long", generated=8000, expected=30000)] + [_req(f"s{i}", 100, 400) for i in range(120)]
+    return [_replica("a", heavy), _replica("b")]
+
+
+def test_the_longest_request_of_a_loaded_replica_moves_to_an_idle_one_with_its_kv():
+    moves = tp.plan_moves(_loaded_and_idle(), STEP, FAST_LINK, max_response_tokens=32768)
+    assert moves and moves[0].request_id == "long" and (moves[0].source, moves[0].destination) == ("a", "b")
+    assert moves[0].method == "kv" and moves[0].gain_s > moves[0].cost_s
+
+
+def test_a_slow_link_makes_the_move_a_re_prefill_and_no_gain_means_no_move():
+    moves = tp.plan_moves(_loaded_and_idle(), STEP, SLOW_LINK, max_response_tokens=32768)
+    assert moves and moves[0].method == "prefill"
+    nearly_done = [_req("long", generated=8000, expected=8010)] + [_req(f"s{i}", 100, 120) for i in range(120)]
+    lazy = tp.TailSettings(survival=0.0)  # trust the expectation: 10 tokens left
+    assert tp.plan_moves([_replica("a", nearly_done), _replica("b")], STEP, FAST_LINK, 32768, lazy) == []
+
+
+def test_a_move_never_overfills_the_destination():
+    full = _replica("b", [_req(f"f{i}", 4000, 5000) for i in range(150)], kv=700_000)
+    moves = tp.plan_moves([_loaded_and_idle()[0], full], STEP, FAST_LINK, 32768)
+    assert all(m.destination != "b" for m in moves)
+
+
+def test_queued_requests_go_to_a_replica_with_room():
+    waiting = _replica("a", [_req("r", 100, 200)], queued=[_req("q0", 300, 900), _req("q1", 0, 900)])
+    moves = tp.plan_moves([waiting, _replica("b")], STEP, FAST_LINK, 32768)
+    queued = [m for m in moves if m.method == "queued"]
+    assert [(m.request_id, m.destination) for m in queued] == [("q0", "b"), ("q1", "b")]
+
+
+def test_expected_remaining_is_floored_by_what_ran_and_capped_by_the_maximum():
+    assert tp.expected_remaining(_req("r", 3000, 2000), 32768, survival=1.0) == 3000
+    assert tp.expected_remaining(_req("r", 1000, 9000), 32768, survival=1.0) == 8000
+    assert tp.expected_remaining(_req("r", 30000, 9000), 32768, survival=1.0) == 2768
+
+
+def test_bad_model_and_settings_name_the_argument():
+    with pytest.raises(ValueError, match="link_bytes_per_s=0.*> 0"):
+        tp.TransferCostModel(48128, 0, 8000)
+    with pytest.raises(ValueError, match="base_ms.*ascending"):
+        tp.StepCostModel(((64, 80.0), (4, 50.0)), 0.0)
+    with pytest.raises(ValueError, match="margin_s=-1.*>= 0"):
+        tp.TailSettings(margin_s=-1)
+    with pytest.raises(ValueError, match="moves_per_replica=1.5.*integer"):
+        tp.TailSettings(moves_per_replica=1.5)
+
+
+@st.composite
+def _cluster(draw):
+    replicas = []
+    rid = 0
+    for i in range(draw(st.integers(2, 6))):
+        running, queued = [], []
+        slots = draw(st.sampled_from([8, 64, 256]))
+        for _ in range(draw(st.integers(0, min(40, slots)))):
+            running.append(_req(f"r{rid}", draw(st.integers(0, 30000)), draw(st.integers(16, 32768)),
+                                draw(st.integers(16, 4000))))
+            rid += 1
+        for _ in range(draw(st.integers(0, 3))):
+            queued.append(_req(f"r{rid}", draw(st.integers(0, 3000)), draw(st.integers(16, 32768)), 500))
+            rid += 1
+        replicas.append(_replica(f"s{i}", running, queued, kv=draw(st.sampled_from([200_000, 850_000])),
+                                 slots=slots))
+    return replicas
+
+
+@hsettings(max_examples=80, deadline=None)
+@given(_cluster(), st.sampled_from([FAST_LINK, SLOW_LINK]),
+       st.builds(tp.TailSettings, margin_s=st.sampled_from([0.0, 1.0, 30.0]),
+                 moves_per_replica=st.integers(1, 4), max_moves=st.integers(1, 16)))
+def test_every_move_is_worth_its_cost_and_moves_each_request_once(replicas, link, settings):
+    """Whatever the cluster: a running request moves only if its expected gain exceeds its
+    cost plus the margin, from the replica that holds it to another one with a free slot and
+    room for its KV, at most once per round, within the per-replica and per-round limits."""
+    where = {r.request_id: v.server_id for v in replicas for r in v.running + v.queued}
+    tokens = {r.request_id: r.tokens for v in replicas for r in v.running + v.queued}
+    moves = tp.plan_moves(replicas, STEP, link, 32768, settings)
+    assert len(moves) <= settings.max_moves
+    assert len({m.request_id for m in moves}) == len(moves)
+    touched = {}
+    for m in moves:
+        assert where[m.request_id] == m.source != m.destination
+        assert m.method in tp.METHODS
+        if m.method != "queued":
+            assert m.gain_s > m.cost_s + settings.margin_s
+            expected = min(link.kv_seconds(tokens[m.request_id]), link.prefill_seconds(tokens[m.request_id]))
+            assert m.cost_s == pytest.approx(expected)
+        touched[m.destination] = touched.get(m.destination, 0) + 1
+    assert all(n <= settings.moves_per_replica for n in touched.values())
+    # destinations end within slots and KV (each running request keeps its growth reserve)
+    final = {v.server_id: list(v.running) for v in replicas}
+    by_id = {r.request_id: r for v in replicas for r in v.running + v.queued}
+    for m in moves:
+        if m.method != "queued":
+            final[m.source].remove(by_id[m.request_id])
+        final[m.destination].append(by_id[m.request_id])
+    for v in replicas:
+        if any(m.destination == v.server_id for m in moves):
+            assert len(final[v.server_id]) <= v.slots
+            assert (sum(r.tokens for r in final[v.server_id]) + len(final[v.server_id]) * settings.growth_reserve_tokens
+                    <= v.kv_capacity_tokens)
