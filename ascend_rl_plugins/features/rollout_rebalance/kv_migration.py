@@ -323,6 +323,12 @@ class MigrationKVConnector(KVConnectorBase_V1):
         covered = min(request.num_computed_tokens, request.num_tokens)
         blocks = math.ceil(covered / self.block_size)
         if covered <= 0 or blocks > len(block_ids):
+            # nothing computed yet (still queued): an empty export tells the client at once
+            # that the destination prefills (instead of waiting for one that never comes)
+            try:
+                self.store.write(params.export_key, ExportHeader([], self.block_size, {}), {})
+            except Exception as exc:  # noqa: BLE001 - the client times out and re-prefills
+                log.warning("ascend-rl kv_migration: empty export %s failed: %s", params.export_key, exc)
             return False, None
         self._exports[request.request_id] = ExportJob(
             request.request_id, params.export_key, list(block_ids[:blocks]),
