@@ -25,3 +25,26 @@ class DyingOnLoadConnector(MigrationKVConnector):
         if meta.loads:
             os._exit(EXIT_CODE)
         super().start_load_kv(forward_context, **kwargs)
+
+
+DIE_MARKER_ENV = "ARP_KV_MIGRATION_DIE_MARKER"
+
+
+class DyingOnceOnLoadConnector(MigrationKVConnector):
+    """Every replica of a verl rollout runs this one (verl gives all servers one engine
+    config); the first replica to receive a KV load after the file named by
+    ``$ARP_KV_MIGRATION_DIE_MARKER`` appears removes it (only one unlink succeeds) and dies
+    there, mid-migration. Without the file it is the shipped connector."""
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MigrationConnectorMetadata)
+        marker = os.environ.get(DIE_MARKER_ENV)
+        if meta.loads and marker:
+            try:
+                os.unlink(marker)
+            except FileNotFoundError:
+                pass
+            else:
+                os._exit(EXIT_CODE)
+        super().start_load_kv(forward_context, **kwargs)
