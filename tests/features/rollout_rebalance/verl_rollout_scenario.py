@@ -18,7 +18,7 @@ import os
 REPLICAS = 2
 
 
-def _config(model_dir: str, router_yaml: str, n: int, max_tokens: int):
+def _config(model_dir: str, router_yaml: str, n: int, max_tokens: int, engine_kwargs: dict | None = None):
     import verl
     from omegaconf import OmegaConf
     base = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer", "config",
@@ -41,6 +41,7 @@ def _config(model_dir: str, router_yaml: str, n: int, max_tokens: int):
                 "router_config_path": router_yaml,
                 "agent": {"num_workers": 1, "default_agent_loop": "single_turn_agent"},
                 "skip_tokenizer_init": False,
+                **({"engine_kwargs": {"vllm": engine_kwargs}} if engine_kwargs else {}),
             },
         },
     })
@@ -111,5 +112,95 @@ def grpo_rollout(model_dir: str, router_yaml: str, prompts: int, n: int, max_tok
             "greedy_siblings_equal": all(
                 responses[p * n + k] == responses[p * n] for p in range(prompts) for k in range(n)),
         }
+    finally:
+        ray.shutdown()
+
+
+def _metric(address: str, name: str) -> dict:
+    """One vLLM counter of one replica by its label set (the whole line before the value)."""
+    import urllib.request
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(name)}
+
+
+def _counts(address: str) -> dict | None:
+    """Finished requests (aborted hops are not in vLLM's success counter: none showed up under
+    finish reason "abort" in runs with moves) and KV tokens loaded through the connector, from
+    one replica's /metrics (None where the replica no longer answers)."""
+    try:
+        success = _metric(address, "vllm:request_success_total")
+        external = _metric(address, "vllm:external_prefix_cache_hits_total")
+    except Exception:  # noqa: BLE001 - a dead replica's server
+        return None
+    return {"finished": sum(success.values()), "kv_loaded_tokens": sum(external.values())}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {a: (None if after[a] is None or before[a] is None else
+                {k: after[a][k] - before[a][k] for k in after[a]}) for a in after}
+
+
+def grpo_rollout_migrating(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int,
+                           store_dir: str, after_s: float, max_moves: int) -> dict:
+    """Three rollouts of one GRPO batch through verl's own ``AgentLoopManager`` on the same two
+    vLLM replicas (each with the migration connector through ``engine_kwargs.vllm.
+    kv_transfer_config``): verl's own client (reference); ``MigratingLLMServerClient`` moving
+    every hop still running after ``after_s`` s, up to ``max_moves`` times per request
+    (migration forced on); the same after arming the one-shot fault, so the first replica
+    that receives a KV load dies mid-migration."""
+    import json
+
+    import ray
+
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
+    from tests.features.rollout_rebalance import kv_migration_faults as faults
+    marker = os.path.join(store_dir, "die-on-next-load")
+    env = {k: os.environ[k] for k in (
+        "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
+        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ}
+    env[faults.DIE_MARKER_ENV] = marker
+    ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": env})
+    try:
+        from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        from ascend_rl_plugins.features.rollout_rebalance.verl_client import (
+            MigratingLLMServerClient,
+            TimedMigration,
+        )
+        connector = kv_migration.kv_transfer_config(
+            store_dir, connector_class="DyingOnceOnLoadConnector", module=faults.__name__)
+        config = _config(model_dir, router_yaml, n, max_tokens,
+                         engine_kwargs={"kv_transfer_config": json.dumps(connector)})
+        servers = LLMServerManager.create(config)
+        addresses = servers.get_addresses()
+        handles = {r.server_address: r.server_handle for r in servers.get_replicas()}
+
+        def rollout(client) -> dict:
+            manager = AgentLoopManager.create(config, llm_client=client)
+            before = {a: _counts(a) for a in addresses}
+            output = manager.generate_sequences(_batch(prompts, n))
+            after = {a: _counts(a) for a in addresses}
+            mask = output.batch["response_mask"].tolist()
+            return {"responses": output.batch["responses"].tolist(),
+                    "log_probs": output.batch["rollout_log_probs"].tolist(),
+                    "lengths": [int(sum(m)) for m in mask],
+                    "replicas": _delta(before, after),
+                    "exports_left": kv_migration.KVExportStore(store_dir).keys()}
+
+        reference = rollout(servers.get_client())
+        policy = TimedMigration(after_s=after_s, max_moves=max_moves)
+        moved = rollout(servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
+                                           policy=policy, store_dir=store_dir))
+        open(marker, "w").close()
+        dies = rollout(servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
+                                          policy=policy, store_dir=store_dir))
+        from ascend_rl_plugins.features.rollout_rebalance.verl_client import engine_errored
+        errored = {a: ray.get(h.__ray_call__.remote(engine_errored)) for a, h in handles.items()}
+        return {"reference": reference, "moved": moved, "destination_dies": dies, "errored": errored,
+                "marker_consumed": not os.path.exists(marker), "addresses": addresses,
+                "handles": sorted(handles)}
     finally:
         ray.shutdown()

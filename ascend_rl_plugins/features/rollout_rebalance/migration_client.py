@@ -1,0 +1,275 @@
+"""The client half of tail migration between independent vLLM replicas: exactly-once bookkeeping.
+
+One :class:`MigratingClient` owns each request from submission to its final output, and the
+request runs on at most one replica at any time. A move (see :mod:`.kv_migration` for the
+engine half) is:
+
+1. abort the current hop at the source; its connector exports the KV under the hop's
+   ``export_key`` (the source keeps nothing running; the export is the request's state);
+2. wait until the export is complete in the store (or a timeout: then the destination
+   re-prefills);
+3. submit the next hop at the destination: prompt + every token received so far,
+   ``max_tokens`` / ``min_tokens`` reduced, ``load_key`` = that export;
+4. the destination's first output is its acknowledgement: only then is the export deleted.
+
+If a hop's replica dies (vLLM's ``errored``) the request continues from what the client holds:
+before the acknowledgement from the same export, on the export's source if alive ("resumes at
+source"), else on any live replica; after it, by re-prefill of prompt + received tokens on a
+live replica. Any other error of a hop (the request's own: bad input) is raised as it would be
+unmoved, after the hop is aborted. Tokens and log-probs of the hops are concatenated; a token the source computed
+but the client never received (cut off by the abort) is computed again at the destination.
+
+What cannot move exactly: ``n > 1`` (one parent, many children), seeded random sampling (the
+destination would restart the seed's generator), presence/frequency penalties (they count
+output tokens only, which the destination sees as prompt), stop strings (a string spanning
+the boundary). :func:`check_migratable` refuses those by name; such requests run unmoved.
+
+Engines are vLLM ``AsyncLLM``-like objects: ``generate(prompt, sampling_params, request_id)``
+(an async iterator of ``RequestOutput``), ``abort(request_id)``, ``errored``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from .kv_migration import KVExportStore, MigrationParams, new_key
+
+log = logging.getLogger("ascend_rl_plugins")
+
+
+class Engine(Protocol):
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str): ...
+    async def abort(self, request_id: str) -> None: ...
+    @property
+    def errored(self) -> bool: ...
+
+
+@dataclass
+class Progress:
+    """What a migration policy sees after each output of a request."""
+
+    request_id: str
+    replica: str
+    hop: int
+    generated: int        # tokens received in all hops
+    remaining: int        # tokens still allowed (max_tokens - generated)
+    live_replicas: list
+
+
+@dataclass
+class Hop:
+    """One stretch of a request on one replica."""
+
+    replica: str
+    request_id: str       # the id this hop had at the replica
+    loaded_from: str | None   # export key it was told to load (None: prefill)
+    prompt_tokens: int = 0    # the hop's prompt: the request's prompt + tokens received before
+    tokens: int = 0       # tokens received from this hop
+    cached_tokens: int | None = None   # prompt tokens vLLM did not compute (prefix cache + KV load)
+    outcome: str = "running"  # finished | moved | failed
+    export_found: bool | None = None   # moved: did the source's export appear in time
+    error: str | None = None
+
+
+@dataclass
+class MigratedOutput:
+    request_id: str
+    prompt_token_ids: list
+    token_ids: list
+    logprobs: list
+    finish_reason: str | None
+    hops: list
+
+    @property
+    def moves(self) -> int:
+        return sum(h.outcome == "moved" for h in self.hops)
+
+
+@dataclass
+class ForcedMigration:
+    """A policy that moves every request after ``after_tokens`` tokens of a hop to the next
+    live replica (in registration order), at most ``max_moves`` times per request: migration
+    "forced on", for tests and for measuring the mechanism."""
+
+    after_tokens: int
+    max_moves: int = 1
+    _moves: Counter = field(default_factory=Counter)
+
+    def __call__(self, p: Progress) -> str | None:
+        if self._moves[p.request_id] >= self.max_moves or p.remaining <= 1:
+            return None
+        if p.generated < self.after_tokens * (self._moves[p.request_id] + 1):
+            return None
+        others = [r for r in p.live_replicas if r != p.replica]
+        if not others:
+            return None
+        order = p.live_replicas
+        self._moves[p.request_id] += 1
+        return others[0] if p.replica not in order else \
+            next(r for r in order[order.index(p.replica) + 1:] + order if r != p.replica)
+
+
+def check_migratable(params) -> None:
+    """Raise ValueError naming the sampling parameter that a move would change."""
+    if getattr(params, "n", 1) != 1:
+        raise ValueError(f"n={params.n}: only n=1 requests move (verl submits n=1 per sample)")
+    if getattr(params, "seed", None) is not None and getattr(params, "temperature", 0.0) > 0:
+        raise ValueError("seed: a seeded random request would restart its generator at the "
+                         "destination; use seed=None or temperature=0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(params, name, 0.0):
+            raise ValueError(f"{name}: it counts output tokens only, which the destination sees "
+                             f"as prompt; use 0")
+    if getattr(params, "stop", None):
+        raise ValueError("stop: a stop string may span the move; stop on token ids "
+                         "(stop_token_ids) instead")
+
+
+class NoLiveReplica(RuntimeError):
+    pass
+
+
+class MigratingClient:
+    """Runs requests on a set of replicas, moving them when ``policy`` says so.
+
+    ``finished_on`` counts final outputs per replica (what exactly-once is checked on)."""
+
+    def __init__(self, replicas: dict, store: KVExportStore, *,
+                 policy: Callable[[Progress], str | None] | None = None,
+                 export_timeout_s: float = 30.0):
+        if not replicas:
+            raise ValueError("replicas: need at least one")
+        if export_timeout_s <= 0:
+            raise ValueError(f"export_timeout_s must be > 0, got {export_timeout_s}")
+        self.replicas = dict(replicas)
+        self.store = store
+        self.policy = policy
+        self.export_timeout_s = export_timeout_s
+        self.dead: set[str] = set()
+        self.finished_on: Counter = Counter()
+
+    def live(self) -> list:
+        return [name for name, engine in self.replicas.items()
+                if name not in self.dead and not getattr(engine, "errored", False)]
+
+    async def generate(self, request_id: str, prompt_token_ids: list, params, replica: str
+                       ) -> MigratedOutput:
+        from vllm.sampling_params import RequestOutputKind
+        movable = True
+        if self.policy is not None:
+            try:
+                check_migratable(params)
+            except ValueError as exc:
+                log.info("ascend-rl migration: %s stays where it starts: %s", request_id, exc)
+                movable = False
+        tokens: list = []
+        logprobs: list = []
+        hops: list[Hop] = []
+        load_key: str | None = None      # the export the next hop loads (None: prefill)
+        load_source: str | None = None   # the replica that wrote it
+        max_tokens = params.max_tokens
+        while True:
+            if replica not in self.live():
+                replica = self._pick(prefer=load_source)
+            hop = Hop(replica, f"{request_id}.{len(hops)}", load_key,
+                      prompt_tokens=len(prompt_token_ids) + len(tokens))
+            hops.append(hop)
+            export_key = new_key() if movable and self.policy is not None else None
+            hop_params = params.clone()
+            hop_params.max_tokens = max_tokens - len(tokens)
+            hop_params.min_tokens = max(0, (params.min_tokens or 0) - len(tokens))
+            hop_params.output_kind = RequestOutputKind.DELTA
+            hop_params.extra_args = dict(params.extra_args or {}, kv_transfer_params=MigrationParams(
+                export_key=export_key, load_key=load_key).as_kv_transfer_params())
+            engine = self.replicas[replica]
+            destination = None
+            stream = engine.generate({"prompt_token_ids": list(prompt_token_ids) + tokens},
+                                     hop_params, hop.request_id)
+            try:
+                async for out in stream:
+                    completion = out.outputs[0]
+                    if hop.cached_tokens is None:
+                        hop.cached_tokens = getattr(out, "num_cached_tokens", None)
+                    new = list(completion.token_ids)
+                    tokens += new
+                    hop.tokens += len(new)
+                    if completion.logprobs is not None:
+                        logprobs += [lp[t].logprob for t, lp in zip(new, completion.logprobs)]
+                    if load_key is not None:   # the destination answered: it holds the request
+                        self.store.delete(load_key)
+                        load_key = load_source = None
+                    if out.finished:
+                        hop.outcome = "finished"
+                        self.finished_on[replica] += 1
+                        return MigratedOutput(request_id, list(prompt_token_ids), tokens, logprobs,
+                                              completion.finish_reason, hops)
+                    if export_key is not None:
+                        destination = self.policy(Progress(
+                            request_id, replica, len(hops) - 1, len(tokens),
+                            max_tokens - len(tokens), self.live()))
+                        if destination is not None:
+                            break
+                else:
+                    raise RuntimeError(f"{replica} closed the stream of {hop.request_id} unfinished")
+            except Exception as exc:  # noqa: BLE001 - decided below: replica death or not
+                hop.outcome, hop.error = "failed", f"{type(exc).__name__}: {exc}"
+                await self._stop(engine, hop.request_id, stream)
+                if not getattr(engine, "errored", False):
+                    # the request itself failed (bad input, ...): as it would unmoved; nothing
+                    # of it runs anywhere now, and its export is not needed any more
+                    if load_key is not None:
+                        self.store.delete(load_key)
+                    raise
+                self.dead.add(replica)
+                log.warning("ascend-rl migration: replica %s died during hop %s; continuing %s "
+                            "from %s", replica, hop.request_id, request_id,
+                            f"export {load_key}" if load_key else "a re-prefill")
+                replica = self._pick(prefer=load_source) if load_key else self._pick(exclude=replica)
+                continue
+            # move: stop here with the KV exported, then go on at the destination
+            await self._stop(engine, hop.request_id, stream)
+            hop.outcome = "moved"
+            hop.export_found = await self._wait_export(export_key, engine)
+            if hop.export_found:
+                load_key, load_source = export_key, replica
+            replica = destination
+
+    def _pick(self, prefer: str | None = None, exclude: str | None = None) -> str:
+        live = self.live()
+        if prefer in live:
+            return prefer
+        candidates = [r for r in live if r != exclude] or live
+        if not candidates:
+            raise NoLiveReplica("ascend-rl migration: no live replica left "
+                                f"(dead: {sorted(self.dead)})")
+        return candidates[0]
+
+    @staticmethod
+    async def _stop(engine, hop_id: str, stream) -> None:
+        """End a hop at its replica: close our stream (vLLM aborts the request when its
+        stream closes) and abort it by id as well (a no-op where it already finished or is
+        gone); a dead engine's calls may raise, and nothing runs there any more."""
+        for step in (stream.aclose, lambda: engine.abort(hop_id)):
+            try:
+                await step()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _wait_export(self, key: str, engine) -> bool:
+        """Wait until the source's export of an aborted hop is complete (False: it did not
+        appear in time, or the source died first)."""
+        deadline = time.monotonic() + self.export_timeout_s
+        while time.monotonic() < deadline:
+            if self.store.exists(key):
+                return True
+            if getattr(engine, "errored", False):
+                return False
+            await asyncio.sleep(0.005)
+        log.warning("ascend-rl migration: export %s did not appear within %.0f s; the destination "
+                    "re-prefills", key, self.export_timeout_s)
+        return False

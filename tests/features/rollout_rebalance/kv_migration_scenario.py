@@ -1,0 +1,108 @@
+"""Running requests moved with their KV between independent vLLM 0.23 engines (CPU).
+
+Three ``AsyncLLM`` replicas in one driver process, each with its own engine core process (no
+shared process group, as verl 0.9's server replicas): A and B load the shipped
+``MigrationKVConnector``, C a subclass that kills its engine core the moment a KV load
+reaches it (``kv_migration_faults.DyingOnLoadConnector``). Each carries the connector through
+``kv_transfer_config`` with ``kv_connector_module_path``: vLLM's own extension point.
+
+Runs, on the same engines, all requests concurrent, greedy, log-probs on:
+
+- ``reference``: no migration (requests start alternately on A and B);
+- ``moved``: every request moved A -> B -> A (``ForcedMigration``: after 8 and 16 tokens);
+- ``destination_dies``: every request started on A and moved to C after 8 tokens; C dies
+  while loading the first one, the others find it dead; each resumes on A.
+
+Returns every request's tokens, log-probs, hops (replica, tokens received there, outcome,
+the KV tokens vLLM reports cached on the hop's first output) and the client's per-replica
+count of final outputs, for the test to compare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+PROMPT_LENGTHS = (5, 20, 37, 50)   # block size 16: moves land inside and across blocks
+MAX_TOKENS = 24
+
+
+def _engine(model_dir: str, connector_class: str, module: str, store_dir: str):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from ascend_rl_plugins.features.rollout_rebalance.kv_migration import kv_transfer_config
+    config = kv_transfer_config(store_dir, connector_class=connector_class, module=module)
+    args = AsyncEngineArgs(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
+                           max_num_batched_tokens=512, enforce_eager=True, block_size=16,
+                           enable_prefix_caching=True, disable_log_stats=True, seed=0,
+                           kv_transfer_config=KVTransferConfig(**config))
+    return AsyncLLM.from_engine_args(args)
+
+
+def _prompts() -> list:
+    return [[(7 * p + 13 * i) % 480 + 20 for i in range(n)] for p, n in enumerate(PROMPT_LENGTHS)]
+
+
+def _params():
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+
+
+async def _run(client, label: str, starts: list) -> dict:
+    outs = await asyncio.gather(*(client.generate(f"{label}-{i}", prompt, _params(), start)
+                                  for i, (prompt, start) in enumerate(zip(_prompts(), starts))))
+    return {
+        "tokens": [o.token_ids for o in outs],
+        "logprobs": [o.logprobs for o in outs],
+        "finish": [o.finish_reason for o in outs],
+        "hops": [[{"replica": h.replica, "tokens": h.tokens, "outcome": h.outcome,
+                   "loaded_from_export": h.loaded_from is not None, "export_found": h.export_found,
+                   "cached_tokens": h.cached_tokens, "prompt_tokens": h.prompt_tokens,
+                   "error": h.error} for h in o.hops] for o in outs],
+        "finished_on": dict(client.finished_on),
+        "dead": sorted(client.dead),
+        "exports_left": client.store.keys(),
+    }
+
+
+async def _scenario(model_dir: str, store_dir: str) -> dict:
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
+        ForcedMigration,
+        MigratingClient,
+    )
+    store = kv_migration.KVExportStore(store_dir)
+    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
+    a = _engine(model_dir, *shipped, store_dir)
+    b = _engine(model_dir, *shipped, store_dir)
+    c = _engine(model_dir, "DyingOnLoadConnector",
+                "tests.features.rollout_rebalance.kv_migration_faults", store_dir)
+    try:
+        n = len(PROMPT_LENGTHS)
+        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
+                         ["A" if i % 2 == 0 else "B" for i in range(n)])
+        for engine in (a, b):
+            await engine.reset_prefix_cache()
+        moved = await _run(MigratingClient({"A": a, "B": b}, store,
+                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
+                           "moved", ["A"] * n)
+        dies = await _run(MigratingClient({"A": a, "C": c}, store,
+                                          policy=ForcedMigration(after_tokens=8, max_moves=1)),
+                          "dies", ["A"] * n)
+        return {"reference": ref, "moved": moved, "destination_dies": dies,
+                "c_errored": bool(c.errored), "a_errored": bool(a.errored)}
+    finally:
+        for engine in (a, b, c):
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - C is dead already
+                pass
+
+
+def migrate_between_replicas(model_dir: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="arp-kv-migration-",
+                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        return asyncio.run(_scenario(model_dir, d))
