@@ -90,18 +90,28 @@ FEATURE = Feature(
     flag=MODE, replaces="the recipe's verl patches 0005 (moe_alltoallv), 0006 (weight converter for "
                         "grouped GEMM), 0007 (post-load processing after update_weights)",
     verified=Verified(
-        cpu_runtime="real verl 0.6.1 per_tensor_generator on a real Megatron-Core 0.12.1 MoE model "
+        cpu_runtime="verl 0.9.1 (current stack): the checkpoint-engine backend built through verl's real "
+                    "CheckpointEngineRegistry / import_external_libs between 4 trainer processes with real "
+                    "Megatron-Core 0.16.1 MoE models (local layers; SequentialMLP TP2/EP2/ETP2 and GroupedMLP "
+                    "EP2 with 2 expert-DP copies) and 2 rollout processes over gloo: each rollout rank "
+                    "receives exactly its hosted experts once and every dense tensor, bit-identical to the "
+                    "stock export; one rank of six refusing -> every rank falls back together; verl 0.9.1's "
+                    "real ActorRolloutRefWorker.update_weights hands the backend the training engine with "
+                    "the patch. verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
+                    "Megatron-Core 0.12.1 MoE model "
                     "(CPU harness, TP2xEP2xETP2 on 4 gloo processes; SequentialMLP and GroupedMLP), "
                     "stock vs patched, and with one rank of four refusing (every rank falls back "
                     "together); real vLLM 0.13 and 0.23 CPU engines "
                     "with a tiny Qwen3-MoE receiving the resharded weights, token- and "
                     "parameter-identical to an engine started on them; verl 0.6.1's real "
                     "vLLMAsyncRollout.update_weights on a real vLLM 0.13 engine",
-        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export) and what its "
-               "workers hand a registered checkpoint-engine backend read, not hooked",
-        npu="not run: HCCL all-to-all-v speed, vLLM-Ascend's w13/w2 transposes after wake-up, MC2 "
-            "dispatch after an in-place update (README)"),
-    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (vLLM 0.23 engine only)")
+        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export, not installable "
+               "here: the backend's dense tensors come from it, read not run), CheckpointEngineManager's "
+               "prepare / topology order, the rollout-side engine construction",
+        npu="not run: HCCL all-to-all-v speed (the verl 0.9 backend's group is gloo, host buffers), "
+            "vLLM-Ascend's w13/w2 transposes after wake-up, MC2 dispatch after an in-place update (README)"),
+    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (verl 0.9.1 checkpoint-engine backend, "
+           "vLLM 0.23 engine)")
 
 VERL06 = ">=0.6,<0.7"
 REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the expert weights its "
