@@ -49,7 +49,6 @@ falls back (the export moves whole, as broadcast) and says why.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import pickle
 import socket
 from dataclasses import dataclass
@@ -58,13 +57,10 @@ from typing import Any, Callable, Iterator
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from . import agreement
+from . import BACKEND, agreement
 from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_name
 from .planner import PlanError
 
-log = logging.getLogger("ascend_rl_plugins")
-
-BACKEND = "ascend_rl_alltoallv"
 PLACEMENTS = ("linear", "round_robin")
 
 
