@@ -94,7 +94,7 @@ def test_the_colocated_chain_syncs_through_the_live_vllm_model_like_stock(chain)
     """verl's real update_weights(per_tensor_generator(...)) into a real vLLM 0.13 engine in the
     same process: the generator found the live model (expert map, rollout rank) that the
     update_weights patch published, and every vLLM parameter and the greedy tokens equal stock's."""
-    assert set(chain["states"].values()) == {"applied"}
+    assert set(chain["states"].values()) == {"applied"} and len(chain["states"]) == 3
     assert chain["generator_saw_live_model"] == [True]
     assert chain["stock_tokens"] != chain["w0_tokens"]
     assert chain["patched_tokens"] == chain["stock_tokens"]
