@@ -18,7 +18,8 @@ Part 1 (model, no communication) -- for each layout, per rank (max) and in total
   + the largest assembled need).
 * ``minimum`` : every needed row a rank does not already hold, once (``planner.minimum_bytes``).
 
-Part 1b (plan once, balanced senders) -- for the recipe layout and one with replicated owners:
+Part 1b (plan once, balanced senders) -- for the recipe layout, one with replicated owners and a
+verl 0.9 checkpoint-engine group (trainer ranks sending, disjoint rollout ranks receiving):
 plan time cold (plan + validate) and cached (a lookup by the input digest), the re-plan after a
 simulated EPLB move, the busiest sender and receiver against their lower bounds, and the earlier
 source rule (same-node owner first) as the baseline.
@@ -34,6 +35,7 @@ Run: ``python benchmarks/bench_moe_reshard.py [--bucket-mb 512] [--repeats 5] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -178,6 +180,11 @@ BALANCE_LAYOUTS = [
      "-> rollout TP4xDP8 EP32 linear",
      MoEShape(48, 128, 2048, 768), TrainingLayout(tp=2, pp=1, ep=8, etp=1, expert_impl="grouped"),
      RolloutLayout.linear(4, 8, 128)),
+    ("Qwen3-30B-A3B, verl 0.9 checkpoint-engine group: 16 trainer ranks TP2/PP1/EP8/ETP1 (2 expert-DP copies) "
+     "-> 2 rollout replicas of EP8 linear on 16 more ranks (rollout ranks after the trainer's)",
+     MoEShape(48, 128, 2048, 768), TrainingLayout(tp=2, pp=1, ep=8, etp=1, expert_impl="grouped"),
+     dataclasses.replace(RolloutLayout.from_expert_maps(
+         1, 16, [m for _ in range(2) for m in RolloutLayout.linear(8, 1, 128).expert_maps]), first_rank=16)),
 ]
 
 
@@ -185,7 +192,8 @@ def _eplb_move(rollout: RolloutLayout) -> RolloutLayout:
     """The same layout after a (simulated) EPLB step: the first experts of ranks 0 and 1 swap."""
     maps = [list(m) for m in rollout.expert_maps]
     maps[0][0], maps[1][0] = maps[1][0], maps[0][0]
-    return RolloutLayout.from_expert_maps(rollout.tp, rollout.dp, maps)
+    return dataclasses.replace(RolloutLayout.from_expert_maps(rollout.tp, rollout.dp, maps),
+                               first_rank=rollout.first_rank)
 
 
 def part1b(bucket_bytes: int, lookups: int = 200) -> None:
@@ -201,8 +209,9 @@ def part1b(bucket_bytes: int, lookups: int = 200) -> None:
           "| sender lower bound (GB) | ratio | earlier rule: busiest sender (GB), ratio | busiest receiver (GB) "
           "| receiver lower bound (GB) | total = minimum |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    broadcast = []
     for title, shape, training, rollout in BALANCE_LAYOUTS:
-        world = rollout.world_size()
+        world = rollout.group_world()
         cache = PlanCache()
         t0 = time.perf_counter()
         planned = cache.get(shape, training, rollout, bucket_bytes=bucket_bytes)
@@ -227,7 +236,15 @@ def part1b(bucket_bytes: int, lookups: int = 200) -> None:
               f"| {s_lb / GB:.3f} | {p.busiest_sender / s_lb:.3f}x | {base.busiest_sender / GB:.3f}, "
               f"{base.busiest_sender / s_lb:.3f}x | {p.busiest_receiver / GB:.3f} | {r_lb / GB:.3f} "
               f"| {p.total_bytes / GB:.2f} GB = {minimum / GB:.2f} GB |")
+        if rollout.first_rank:
+            broadcast.append((title, shape, p, rollout))
     print()
+    for title, shape, p, rollout in broadcast:
+        every = shape.total_expert_bytes()
+        print(f"{title}: a broadcast backend (verl's nccl / hccl) delivers every expert to every rollout rank, "
+              f"{every / GB:.3f} GB each; the reshard's busiest rollout rank receives {p.busiest_receiver / GB:.3f} GB "
+              f"({every / p.busiest_receiver:.2f}x less), the trainer ranks receive "
+              f"{sum(p.bytes_received(r) for r in range(rollout.first_rank))} bytes.\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,9 +15,12 @@ Hooks (README.md beside this file has the details and what each covers):
 - verl 0.6.1 ``vLLMRollout.update_weights`` / ``vLLMAsyncRollout.update_weights``: tells the
   generator which vLLM model it feeds (expert maps, rollout rank, pre-narrowed loading) and
   re-runs vLLM's post-load processing after ``load_weights`` (the recipe's verl 0007).
-- verl 0.9.1: not hooked (see README, "verl 0.9.1"): a checkpoint-engine backend registered
-  through ``custom_backend_module`` is handed Megatron-Bridge's already-gathered export and no
-  expert maps; doctor reports the feature as not applying there.
+- verl 0.9.x: a checkpoint-engine backend ``ascend_rl_alltoallv`` registered through verl's own
+  ``CheckpointEngineRegistry`` from the module ``custom_backend_module`` names
+  (``verl09_backend.py``), and one patch, ``ActorRolloutRefWorker.update_weights``, that hands it
+  the training engine (local expert shards) as verl hands its ``delta_sharded`` backend: experts
+  go by the reshard from the trainer ranks straight to the rollout ranks hosting them, dense
+  tensors by broadcast from trainer rank 0.
 
 Every fallback is collective (``agreement.py``): a plan that fails validation, a planner
 refusal, an exception while preparing, or plan inputs that differ, on any one rank, make every
@@ -34,7 +37,8 @@ from ... import flags
 from ...patching import Feature, Verified
 from .cli import register_cli  # noqa: F401  (``ascend-rl moe-reshard ...``)
 
-__all__ = ["FEATURE", "MODE", "BUCKET_MB", "POST_LOAD", "register_cli", "reshard_requested", "bucket_bytes"]
+__all__ = ["FEATURE", "MODE", "BUCKET_MB", "POST_LOAD", "register_cli", "reshard_requested", "bucket_bytes",
+           "verl09_config_lines", "BACKEND", "BACKEND_MODULE"]
 
 MODES = ("off", "auto", "on")
 
@@ -86,30 +90,91 @@ FEATURE = Feature(
     flag=MODE, replaces="the recipe's verl patches 0005 (moe_alltoallv), 0006 (weight converter for "
                         "grouped GEMM), 0007 (post-load processing after update_weights)",
     verified=Verified(
-        cpu_runtime="real verl 0.6.1 per_tensor_generator on a real Megatron-Core 0.12.1 MoE model "
+        cpu_runtime="verl 0.9.1 (current stack): the checkpoint-engine backend built through verl's real "
+                    "CheckpointEngineRegistry / import_external_libs between 4 trainer processes with real "
+                    "Megatron-Core 0.16.1 MoE models (local layers; SequentialMLP TP2/EP2/ETP2 and GroupedMLP "
+                    "EP2 with 2 expert-DP copies) and 2 rollout processes over gloo: each rollout rank "
+                    "receives exactly its hosted experts once and every dense tensor, bit-identical to the "
+                    "stock export; one rank of six refusing -> every rank falls back together; verl 0.9.1's "
+                    "real ActorRolloutRefWorker.update_weights hands the backend the training engine with "
+                    "the patch. verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
+                    "Megatron-Core 0.12.1 MoE model "
                     "(CPU harness, TP2xEP2xETP2 on 4 gloo processes; SequentialMLP and GroupedMLP), "
                     "stock vs patched, and with one rank of four refusing (every rank falls back "
                     "together); real vLLM 0.13 and 0.23 CPU engines "
                     "with a tiny Qwen3-MoE receiving the resharded weights, token- and "
                     "parameter-identical to an engine started on them; verl 0.6.1's real "
                     "vLLMAsyncRollout.update_weights on a real vLLM 0.13 engine",
-        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export) and what its "
-               "workers hand a registered checkpoint-engine backend read, not hooked",
-        npu="not run: HCCL all-to-all-v speed, vLLM-Ascend's w13/w2 transposes after wake-up, MC2 "
-            "dispatch after an in-place update (README)"),
-    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (vLLM 0.23 engine only)")
+        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export, not installable "
+               "here: the backend's dense tensors come from it, read not run), CheckpointEngineManager's "
+               "prepare / topology order, the rollout-side engine construction",
+        npu="not run: HCCL all-to-all-v speed (the verl 0.9 backend's group is gloo, host buffers), "
+            "vLLM-Ascend's w13/w2 transposes after wake-up, MC2 dispatch after an in-place update (README)"),
+    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (verl 0.9.1 checkpoint-engine backend, "
+           "vLLM 0.23 engine)")
 
 VERL06 = ">=0.6,<0.7"
 REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the expert weights its "
                "vLLM hosts (no all-gather of every expert over EP)")
 
+VERL09 = ">=0.9,<0.10"
+BACKEND = "ascend_rl_alltoallv"
+BACKEND_MODULE = "ascend_rl_plugins.features.moe_reshard.verl09_backend"
+
+
+def verl09_config_lines() -> list[str]:
+    """The verl 0.9 overrides that select the checkpoint-engine backend (``ascend-rl moe-reshard
+    verl09`` and doctor print them)."""
+    key = "actor_rollout_ref.rollout.checkpoint_engine"
+    return [f"{key}.backend={BACKEND}",
+            f"{key}.custom_backend_module={BACKEND_MODULE}",
+            f"+{key}.engine_kwargs.{BACKEND}.replica_world_size=<vLLM workers per rollout replica>",
+            f"+{key}.engine_kwargs.{BACKEND}.expert_placement=linear  (or round_robin: vLLM's "
+            "expert_placement_strategy)"]
+
+
 FEATURE.does_not_apply(
-    dist="verl", versions=">=0.7",
-    why="verl >= 0.7 exports Megatron weights through Megatron-Bridge (MegatronEngine."
-        "get_per_tensor_param -> export_hf_weights, experts already gathered over EP); verl 0.9.1 "
-        "hands that export, not the local shards, to a checkpoint-engine backend registered through "
-        "custom_backend_module (only 'delta_sharded' gets the engine) and gives the rollout-side "
-        "engine no expert maps, so the reshard is not hooked there (README: verl 0.9.1)")
+    dist="verl", versions=">=0.7,<0.9",
+    why="verl 0.7 / 0.8 export Megatron weights through Megatron-Bridge (experts already gathered over "
+        "EP) and their checkpoint-engine hand-off was not read for this feature; the reshard is hooked on "
+        "verl 0.6.1 (per_tensor_generator) and verl 0.9.x (checkpoint-engine backend)")
+
+FEATURE.applies_through(
+    dist="verl", versions=VERL09, point="verl's checkpoint-engine registry (rollout.checkpoint_engine."
+                                        "custom_backend_module)",
+    how=lambda: ("set ASCEND_RL_MOE_RESHARD=auto and add `" + " ".join(verl09_config_lines()[:2]) + "` plus the "
+                 f"engine_kwargs.{BACKEND} keys replica_world_size / expert_placement (print all: "
+                 "`ascend-rl moe-reshard verl09`); the trainer hands the backend its local expert shards "
+                 "(patch moe_reshard.hand_training_engine) and each rollout rank receives exactly its hosted "
+                 "experts (README, verl 0.9)"))
+
+
+@FEATURE.wrap("verl.workers.engine_workers:ActorRolloutRefWorker.update_weights", dist="verl", versions=VERL09,
+              order=50, enabled_by=reshard_requested, name="moe_reshard.hand_training_engine",
+              params=("self", "global_steps", "mode"),
+              reason="verl 0.9.1 hands a checkpoint-engine backend Megatron-Bridge's HF export (every expert "
+                     "already gathered over EP on every trainer rank); only its own 'delta_sharded' backend "
+                     "receives the training engine and with it the local shards. The reshard backend needs "
+                     "those: this hands the engine to a backend whose class sets takes_training_engine, "
+                     "exactly as verl does for delta_sharded, and leaves every other backend and the colocated "
+                     "'naive' path untouched",
+              remove_when="verl hands a registered checkpoint engine the training engine (or the local "
+                          "shards) itself, not only 'delta_sharded'")
+def _hand_training_engine(wrapped, instance, args, kwargs):
+    def call(worker, global_steps=None, mode="auto"):
+        engine = getattr(worker, "checkpoint_engine", None)
+        effective = mode if mode != "auto" else worker.config.rollout.checkpoint_engine.backend
+        if effective == "naive" or not getattr(type(engine), "takes_training_engine", False):
+            return None
+        return engine.send_weights(worker.actor.engine, global_steps=global_steps)
+    # bound (a worker's method) or called on the class with the worker first
+    sending = call(instance, *args, **kwargs) if instance is not None else call(*args, **kwargs)
+    if sending is None:
+        return wrapped(*args, **kwargs)
+
+    async def handed():
+        return (await sending) or {}
+    return handed()
 
 
 @FEATURE.wrap("verl.utils.megatron_utils:per_tensor_generator", dist="verl", versions=VERL06, order=50,

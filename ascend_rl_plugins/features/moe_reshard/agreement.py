@@ -53,13 +53,20 @@ class Outcome:
     votes: tuple[Vote, ...]
 
 
-def decide(vote: Vote, group=None) -> Outcome:
+def decide(vote: Vote, group=None, *, gather: Callable[[Any], list] | None = None) -> Outcome:
     """Collective over ``group`` (default WORLD): gather every rank's vote; the answer is the
     lowest refusing rank's reason (with how many others refused), else a disagreement of plan
-    digests, else go. Every rank returns the same :class:`Outcome`."""
-    import torch.distributed as dist
-    votes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(votes, vote, group=group)
+    digests, else go. Every rank returns the same :class:`Outcome`.
+
+    ``gather`` replaces ``all_gather_object`` over ``group`` (object -> every rank's object, by
+    rank): a checkpoint engine's group of trainer and rollout processes is a process group of
+    its own, outside ``torch.distributed``'s world."""
+    if gather is not None:
+        votes = list(gather(vote))
+    else:
+        import torch.distributed as dist
+        votes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(votes, vote, group=group)
     refusals = [(r, v.reason) for r, v in enumerate(votes) if v.reason]
     if refusals:
         r, why = refusals[0]

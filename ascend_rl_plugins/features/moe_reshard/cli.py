@@ -8,6 +8,9 @@
   reshard planner would move for a layout (bytes per rank, rounds, peak memory), or the one-line
   reason it cannot.
 
+* ``verl09``: the verl 0.9 config overrides (and the flag) that select the checkpoint-engine backend
+  ``ascend_rl_alltoallv`` (verl09_backend.py).
+
 Heavy imports (torch, safetensors) happen inside the commands.
 """
 
@@ -111,3 +114,15 @@ def register_cli(subparsers) -> None:
     p.add_argument("--bucket-mb", type=float, default=512.0)
     p.add_argument("--ranks-per-node", type=int, default=16)
     p.set_defaults(func=cmd_plan)
+    v = sub.add_parser("verl09", help="print the verl 0.9 config overrides that select the reshard's "
+                                      "checkpoint-engine backend")
+    v.set_defaults(func=cmd_verl09)
+
+
+def cmd_verl09(args: argparse.Namespace) -> int:
+    from . import verl09_config_lines
+    print("export ASCEND_RL_MOE_RESHARD=auto   # hands the training engine to the backend (patch "
+          "moe_reshard.hand_training_engine)")
+    for line in verl09_config_lines():
+        print(line)
+    return 0

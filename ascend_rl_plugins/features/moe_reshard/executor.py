@@ -175,14 +175,14 @@ def prepare_reshard(local_params: Mapping, *, shape: MoEShape, training: Trainin
         device = devices.pop() if devices else torch.device("cpu")
     device = torch.device(device)
     if exchange is not None and group is None:
-        world, me = rollout.world_size(), rank
+        world, me = rollout.group_world(), rank
         if me is None or not 0 <= me < world:
             raise ValueError(f"an injected exchange without a group needs rank= in [0, {world}) (got {me})")
     else:
-        world = dist.get_world_size(group) if dist.is_initialized() else rollout.world_size()
+        world = dist.get_world_size(group) if dist.is_initialized() else rollout.group_world()
         me = dist.get_rank(group) if rank is None else rank
-    if world != rollout.world_size():
-        raise PlanError(f"group has {world} ranks, the rollout layout {rollout.world_size()}")
+    if world != rollout.group_world():
+        raise PlanError(f"group has {world} ranks, the rollout layout {rollout.group_world()}")
     planned = (CACHE if cache is None else cache).get(shape, training, rollout, bucket_bytes=bucket_bytes,
                                                        ranks_per_node=ranks_per_node)
     the_plan = planned.checked()

@@ -211,7 +211,10 @@ class TrainingLayout:
         return shape.ffn_hidden // self.etp
 
     def owned(self, shape: MoEShape, rank: int) -> list[ExpertSlice]:
-        """Every expert slice rank ``rank`` holds (one per layer, expert, projection)."""
+        """Every expert slice rank ``rank`` holds (one per layer, expert, projection); none for a
+        rank past the training world (a rollout-only rank of a checkpoint engine's group)."""
+        if rank >= self._world():
+            return []
         c = self.coords(rank)
         n, e_loc = self.shard_rows(shape), self.local_experts(shape)
         lo = c["etp"] * n
@@ -245,11 +248,30 @@ def _linear_map(ep: int, rank: int, num_experts: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class RolloutLayout:
-    """vLLM layout; rollout rank = dp_rank * tp + tp_rank (the same world as training)."""
+    """vLLM layout; rollout rank = dp_rank * tp + tp_rank.
+
+    ``first_rank`` places the rollout in the group the reshard runs over: 0 (colocated, verl
+    0.6.1's hybrid engine) -- rollout rank ``r`` is the training rank ``r``, the same world; or
+    the training world size (a verl 0.9 checkpoint engine's group: the trainer ranks first,
+    then every rollout rank) -- rollout rank ``r`` is group rank ``first_rank + r``, and the
+    trainer ranks need nothing. Every method taking a ``rank`` below takes the *group* rank."""
     tp: int
     dp: int = 1
     expert_parallel: bool = False
     expert_maps: tuple[tuple[int, ...], ...] | None = None
+    first_rank: int = 0
+
+    def group_world(self) -> int:
+        """Ranks of the group the reshard runs over (trainer ranks before ``first_rank``)."""
+        return self.first_rank + self.world_size()
+
+    def training_world(self) -> int | None:
+        """The training world the layout implies (None: colocated, the group's own size)."""
+        return self.first_rank or None
+
+    def _local(self, rank: int) -> int | None:
+        r = rank - self.first_rank
+        return r if 0 <= r < self.world_size() else None
 
     @classmethod
     def linear(cls, tp: int, dp: int, num_experts: int, expert_parallel: bool = True) -> "RolloutLayout":
@@ -274,7 +296,10 @@ class RolloutLayout:
         return self.tp * self.dp
 
     def hosted(self, shape: MoEShape, rank: int) -> tuple[int, ...]:
-        """Global expert ids rollout ``rank`` hosts, in local-slot order (EP only)."""
+        """Global expert ids group rank ``rank`` hosts, in local-slot order (EP only)."""
+        rank = self._local(rank)
+        if rank is None:
+            return ()
         if not self.expert_parallel:
             return tuple(range(shape.num_experts))
         if self.expert_maps is None:
@@ -285,6 +310,8 @@ class RolloutLayout:
         w = self.world_size()
         if self.tp < 1 or self.dp < 1:
             raise LayoutError("rollout tp and dp must be >= 1")
+        if self.first_rank < 0:
+            raise LayoutError("rollout first_rank must be >= 0")
         if not self.expert_parallel:
             if self.expert_maps is not None:
                 raise LayoutError("expert_maps need expert_parallel=True")
@@ -308,11 +335,14 @@ class RolloutLayout:
         if self.expert_parallel:
             return 0, shape.ffn_hidden
         n = shape.ffn_hidden // self.world_size()
-        return rank * n, (rank + 1) * n
+        rank = self._local(rank)
+        return (0, 0) if rank is None else (rank * n, (rank + 1) * n)
 
     def needed(self, shape: MoEShape, rank: int) -> list[tuple[ExpertSlice, int]]:
         """Every slice the rank's loader keeps, with how many local copies (redundant slots),
-        in layer, expert, projection order."""
+        in layer, expert, projection order (none for a trainer-only rank)."""
+        if self._local(rank) is None:
+            return []
         lo, hi = self.needed_rows(shape, rank)
         counts: dict[int, int] = {}
         for e in self.hosted(shape, rank):

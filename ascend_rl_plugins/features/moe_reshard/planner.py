@@ -233,7 +233,7 @@ class Plan:
 def minimum_bytes(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, rank: int) -> int:
     """Needed rows of ``rank`` that ``rank`` does not hold, in bytes (interval arithmetic on the
     layouts; independent of the planner's units)."""
-    training = _with_world(training, rollout.world_size())
+    training = _training_for(training, rollout)
     held = {}
     for s in training.owned(shape, rank):
         held.setdefault((s.layer, s.expert, s.proj), []).append((s.lo, s.hi))
@@ -249,7 +249,7 @@ def minimum_bytes(shape: MoEShape, training: TrainingLayout, rollout: RolloutLay
 def receiver_lower_bound(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout) -> int:
     """No reshard can make its busiest receiver take less than this: the largest
     :func:`minimum_bytes` of any rank (a minimum-total plan's receivers are exactly these)."""
-    return max(minimum_bytes(shape, training, rollout, r) for r in range(rollout.world_size()))
+    return max(minimum_bytes(shape, training, rollout, r) for r in range(rollout.group_world()))
 
 
 def sender_lower_bound(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout) -> int:
@@ -258,8 +258,8 @@ def sender_lower_bound(shape: MoEShape, training: TrainingLayout, rollout: Rollo
     must leave that group once, so some owner sends at least ``ceil(W_G / |G|)`` of the group's
     wire bytes ``W_G`` (even if a unit could be split between owners). Computed from the layouts
     alone, by interval arithmetic, independent of the planner's units."""
-    world = rollout.world_size()
-    training = _with_world(training, world)
+    world = rollout.group_world()
+    training = _training_for(training, rollout)
     n, e_loc = training.shard_rows(shape), training.local_experts(shape)
     table = training.owner_table(shape)
     wire: dict[tuple[int, ...], int] = {}
@@ -282,6 +282,19 @@ def _with_world(training: TrainingLayout, world: int) -> TrainingLayout:
     return training
 
 
+def _training_for(training: TrainingLayout, rollout: RolloutLayout) -> TrainingLayout:
+    """The training layout over its own ranks: the whole group when colocated, else the
+    ``rollout.first_rank`` ranks before the rollout's (a checkpoint engine's group)."""
+    if rollout.first_rank == 0:
+        return _with_world(training, rollout.world_size())
+    if training.dp is None:
+        return training.with_world(rollout.first_rank)
+    if training.world_size() != rollout.first_rank:
+        raise LayoutError(f"training world {training.world_size()} != the {rollout.first_rank} ranks before the "
+                          "rollout's (rollout first_rank)")
+    return training
+
+
 def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, bucket_bytes: int,
          ranks_per_node: int = 16, balance: bool = True) -> Plan:
     """Plan the reshard of every expert slice from ``training`` to ``rollout`` (see the module
@@ -292,10 +305,10 @@ def plan(shape: MoEShape, training: TrainingLayout, rollout: RolloutLayout, *, b
     owners it can load one sender far above the others."""
     if bucket_bytes < 1 or ranks_per_node < 1:
         raise PlanError("bucket_bytes and ranks_per_node must be >= 1")
-    world = rollout.world_size()
+    world = rollout.group_world()
     try:
-        training = _with_world(training, world)
-        training.check(world)
+        training = _training_for(training, rollout)
+        training.check()
         rollout.check(shape)
         n = training.shard_rows(shape)
         e_loc = training.local_experts(shape)

@@ -7,8 +7,8 @@ the same name, where stock sends every expert to every rank; a plan that fails v
 reachable rollout, falls back to stock on every rank with a one-line reason; a GroupedMLP model
 (which stock verl 0.6.1 cannot name) syncs its hosted experts exactly.
 
-verl 0.9.1 (current stack): not hooked; what the feature says about it is checked against the
-real source (``MegatronEngine.get_per_tensor_param`` exports through Megatron-Bridge).
+verl 0.9.1 (current stack): what the checkpoint-engine backend and its hand-off patch rely on is
+read in the real source here; the backend itself runs in test_verl09_backend.py.
 """
 
 from __future__ import annotations
@@ -94,18 +94,20 @@ def test_the_colocated_chain_syncs_through_the_live_vllm_model_like_stock(chain)
     """verl's real update_weights(per_tensor_generator(...)) into a real vLLM 0.13 engine in the
     same process: the generator found the live model (expert map, rollout rank) that the
     update_weights patch published, and every vLLM parameter and the greedy tokens equal stock's."""
-    assert set(chain["states"].values()) == {"applied"}
+    assert set(chain["states"].values()) == {"applied"} and len(chain["states"]) == 3
     assert chain["generator_saw_live_model"] == [True]
     assert chain["stock_tokens"] != chain["w0_tokens"]
     assert chain["patched_tokens"] == chain["stock_tokens"]
     assert chain["params"] > 0 and chain["different"] == []
 
 
-# -- verl 0.9.1: read, not hooked --------------------------------------------------------------
+# -- verl 0.9.1: what the checkpoint-engine backend relies on, read in the source (no import) ----
 
-def test_verl_09_exports_through_megatron_bridge_and_is_declared_not_covered():
-    """Read in verl 0.9.1's source (no import): the Megatron engine's export goes through the
-    bridge (no per_tensor_generator to hook), and the feature declares it does not apply there."""
+def test_verl_09_exports_through_megatron_bridge_and_the_feature_applies_through_a_backend():
+    """Read in verl 0.9.1's source: the Megatron engine's export goes through the bridge (experts
+    gathered; no per_tensor_generator to hook); the feature declares verl 0.9 as applying through
+    the checkpoint-engine registry, with one patch (the engine hand-off) in that range, and does
+    not claim 0.7 / 0.8."""
     import ast
 
     from tests.support.stacks import source
@@ -116,8 +118,15 @@ def test_verl_09_exports_through_megatron_bridge_and_is_declared_not_covered():
     text = ast.unparse(method)
     assert "export_hf_weights" in text and "per_tensor_generator" not in text
     na = feature.FEATURE.not_applicable
-    assert len(na) == 1 and na[0].dist == "verl" and "Megatron-Bridge" in na[0].why
-    assert all(p.versions_text == feature.VERL06 for p in feature.FEATURE.patches)
+    assert len(na) == 1 and na[0].dist == "verl" and na[0].versions_text == ">=0.7,<0.9"
+    (point,) = feature.FEATURE.extension_points
+    assert point.versions_text == feature.VERL09 and "custom_backend_module" in point.point
+    assert feature.BACKEND_MODULE in point.how()
+    by_range = {}
+    for p in feature.FEATURE.patches:
+        by_range.setdefault(p.versions_text, []).append(p.name)
+    assert by_range[feature.VERL09] == ["moe_reshard.hand_training_engine"]
+    assert len(by_range[feature.VERL06]) == 3
 
 
 def _method(path: str, cls: str, name: str):
@@ -127,34 +136,42 @@ def _method(path: str, cls: str, name: str):
     return next(n for n in klass.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
 
 
-def test_verl_09_gives_a_registered_checkpoint_engine_only_the_bridge_export_and_no_expert_maps():
-    """Why the reshard is not (yet) a verl 0.9.1 checkpoint-engine backend, read in the source
-    (no import): a backend registered through ``custom_backend_module`` is built on the trainer
-    side from ``bucket_size`` / ``is_master`` / ``engine_kwargs`` and, unless it is named
-    ``naive`` or ``delta_sharded``, is handed ``engine.get_per_tensor_param()`` -- Megatron-Bridge's
-    HF export, whose experts are already gathered over EP; only ``delta_sharded`` receives the
-    training engine (and with it the local shards). On the rollout side the engine is built from
-    ``bucket_size`` and ``engine_kwargs`` alone: it never sees the server adapter, so it cannot
-    read the live engine's expert maps. If either changes upstream, this test fails: revisit
-    the backend (README, "verl 0.9.1")."""
-    import ast
-
+def test_verl_09_hands_only_delta_sharded_the_training_engine_and_builds_engines_from_config_alone():
+    """What the backend and its one patch rely on, read in verl 0.9.1's source (no import): a
+    backend registered through ``custom_backend_module`` (imported on both sides before the
+    registry builds the engine) is built from ``bucket_size`` / ``is_master`` / ``engine_kwargs``;
+    stock hands every backend but ``delta_sharded`` ``engine.get_per_tensor_param()`` --
+    Megatron-Bridge's HF export, experts already gathered -- which is why the feature's patch
+    hands the engine itself to a backend that asks for it, as verl does for ``delta_sharded``;
+    the rollout side's engine never sees the server adapter, which is why the rollout ranks' expert
+    maps come from the backend's ``engine_kwargs`` (vLLM's placement rule per replica). If any of
+    this changes upstream, this test fails: revisit the backend (README, "verl 0.9")."""
     from tests.support.stacks import source
     workers = source("current", "verl", "verl", "workers", "engine_workers.py")
-    update = ast.unparse(_method(workers, "ActorRolloutRefWorker", "update_weights"))
+    update = ast_text(_method(workers, "ActorRolloutRefWorker", "update_weights"))
     assert "if effective_mode == 'delta_sharded':" in update
     assert "await self.checkpoint_engine.send_weights(self.actor.engine" in update
     assert "per_tensor_param, _ = self.actor.engine.get_per_tensor_param()" in update
     assert "await self.checkpoint_engine.send_weights(per_tensor_param" in update
-    init = ast.unparse(_method(workers, "ActorRolloutRefWorker", "init_model"))
+    init = ast_text(_method(workers, "ActorRolloutRefWorker", "init_model"))
     assert "import_external_libs(checkpoint_engine_config.custom_backend_module or None)" in init
     assert "CheckpointEngineRegistry.new(backend, is_master=torch.distributed.get_rank() == 0, " \
            "bucket_size=bucket_size, **engine_kwargs)" in init
     base = source("current", "verl", "verl", "checkpoint_engine", "base.py")
-    rollout_side = ast.unparse(_method(base, "CheckpointEngineWorker", "__init__"))
+    rollout_side = ast_text(_method(base, "CheckpointEngineWorker", "__init__"))
+    assert "import_external_libs(self.rollout_config.checkpoint_engine.custom_backend_module or None)" in rollout_side
     assert "CheckpointEngineRegistry.new(backend, bucket_size=bucket_size, **engine_kwargs)" in rollout_side
-    receive = ast.unparse(_method(base, "CheckpointEngineWorker", "update_weights"))
+    receive = ast_text(_method(base, "CheckpointEngineWorker", "update_weights"))
     assert "self.checkpoint_engine.receive_weights(global_steps=global_steps)" in receive
+    manager = ast_text(_method(base, "CheckpointEngineManager", "build_process_group"))
+    # trainer workers' metadata first, then the rollout workers' (build_topology's metadata[0])
+    assert "actor_wg.execute_checkpoint_engine(['prepare'] * actor_wg.world_size) + " \
+           "rollout.execute_checkpoint_engine(['prepare'] * rollout.world_size)" in manager
+
+
+def ast_text(node) -> str:
+    import ast
+    return ast.unparse(node)
 
 
 # -- the rollout side's expert maps --------------------------------------------------------------

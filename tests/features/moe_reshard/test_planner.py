@@ -282,3 +282,37 @@ def test_unplannable_layouts_raise_a_one_line_plan_error(kwargs, match):
     with pytest.raises(PlanError, match=match) as info:
         plan(**kwargs, bucket_bytes=1024)
     assert "\n" not in str(info.value)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(train=st.sampled_from([dict(tp=2, ep=2, etp=2), dict(tp=1, ep=2, etp=1), dict(tp=2, ep=4, etp=1),
+                              dict(tp=1, ep=1, etp=2)]),
+       replicas=st.integers(1, 3), replica_world=st.sampled_from([1, 2, 4]), placement=st.sampled_from(["l", "r"]))
+def test_a_checkpoint_engine_group_sends_from_trainer_ranks_to_disjoint_rollout_ranks_at_the_minimum(
+        train, replicas, replica_world, placement):
+    """verl 0.9's checkpoint-engine group: trainer ranks [0, 4) hold the experts, rollout ranks
+    [4, 4+R) (several replicas, each spreading every expert over its ranks) need them. Every
+    rollout rank receives exactly its hosted experts' bytes, from owners only, the trainer ranks
+    receive nothing, and the busiest sender stays at its lower bound's 1.1x."""
+    shape = MoEShape(num_layers=2, num_experts=8, hidden=4, ffn_hidden=8, dtype_bytes=2)
+    make = RolloutLayout.linear if placement == "l" else RolloutLayout.round_robin
+    maps = [m for _ in range(replicas) for m in make(replica_world, 1, 8).expert_maps]
+    rollout = RolloutLayout(1, len(maps), True, tuple(maps), first_rank=4)
+    p = plan(shape, TrainingLayout(**train), rollout, bucket_bytes=256, ranks_per_node=2)
+    p.validate()
+    assert p.world == 4 + len(maps)
+    for r in range(4):
+        assert p.bytes_received(r) == 0 and rollout.needed(shape, r) == []
+    for r in range(4, p.world):
+        assert p.bytes_received(r) == len(maps[r - 4]) * 2 * shape.expert_layer_bytes()
+        assert p.bytes_sent(r) == 0
+    assert {t.src for t in p.transfers} <= set(range(4))
+    assert p.busiest_receiver == receiver_lower_bound(shape, p.training, rollout)
+    assert p.busiest_sender <= 1.1 * sender_lower_bound(shape, p.training, rollout) + 3 * shape.hidden * 2 * 8
+
+
+def test_a_checkpoint_engine_group_needs_the_training_world_before_the_rollout_ranks():
+    shape = MoEShape(num_layers=1, num_experts=4, hidden=4, ffn_hidden=4)
+    rollout = RolloutLayout(1, 2, True, ((0, 1), (2, 3)), first_rank=4)
+    with pytest.raises(PlanError, match="training world 2 != the 4 ranks before the rollout's"):
+        plan(shape, TrainingLayout(tp=2, ep=2).with_world(2), rollout, bucket_bytes=64)

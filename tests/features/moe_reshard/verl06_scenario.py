@@ -281,7 +281,8 @@ def hybrid_engine_chain(workdir: str) -> dict:
 
         ascend_rl_plugins.activate()
         gen_patch = REGISTRY.patches["moe_reshard.per_tensor_generator"]
-        out["states"] = {p.name: p.outcome.state for p in REGISTRY.features["moe_reshard"].patches}
+        out["states"] = {p.name: p.outcome.state for p in REGISTRY.features["moe_reshard"].patches
+                         if p.versions_text == ">=0.6,<0.7"}   # verl 0.6.1's hooks (the 0.9 one is skipped here)
         rollout = vLLMAsyncRollout.__new__(vLLMAsyncRollout)
         rollout.inference_engine = SimpleNamespace(worker=SimpleNamespace(model_runner=runner))
 

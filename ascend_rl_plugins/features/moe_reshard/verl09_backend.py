@@ -1,0 +1,482 @@
+"""verl 0.9 checkpoint-engine backend ``ascend_rl_alltoallv``: the MoE reshard as a weight-sync
+backend of verl's own registry.
+
+How verl 0.9.1 syncs weights to separate rollout servers (read in ``verl/checkpoint_engine/
+base.py`` and ``verl/workers/engine_workers.py``): ``CheckpointEngineManager.update_weights``
+asks every trainer worker and every rollout worker (one ``CheckpointEngineWorker`` per vLLM
+worker) for ``prepare()`` metadata, builds one group over all of them with the backend's
+``build_topology`` (trainer ranks first, then the rollout ranks of every replica in order) and
+``init_process_group``, then runs, concurrently, the trainer's ``send_weights`` and the rollout's
+``receive_weights`` (whose ``(name, tensor)`` stream the rollout's server adapter loads into
+vLLM), and ``finalize()``. A backend joins the registry with
+``CheckpointEngineRegistry.register(name)`` from the module ``checkpoint_engine.
+custom_backend_module`` names, which verl imports on both sides before building the engine:
+this module is that module.
+
+What it does per sync, on every rank of that group together:
+
+1. *Vote* (``agreement.decide`` over this group): each trainer rank reads its layout and local
+   expert shards from the training engine (Megatron-Core's ``parallel_state``, the model chunks),
+   each rollout rank its expert map (vLLM's placement rule for its replica, :class:`Options`); any
+   reason on any rank -- the trainer was handed an HF export instead of the engine, experts the
+   planner cannot read, a layout Megatron numbers differently -- is every rank's reason.
+2. *Plan*: every rank builds the same plan from the gathered votes: training ranks
+   ``[0, A)`` send, rollout ranks ``[A, A+R)`` receive (``RolloutLayout.first_rank = A``), each
+   needed expert slice moves once from one of its owners (balanced over expert data-parallel
+   replicas), straight to the rollout rank hosting it; planned once per digest
+   (``planner.CACHE``) and validated; a second vote on the plan key.
+3. *Move*: the experts by the executor's uneven all-to-alls (two rounds in flight), then the
+   dense tensors as a broadcast from trainer rank 0 in buckets of ``bucket_size`` -- the way
+   verl's nccl / hccl backends move every tensor. The rollout side yields its hosted experts
+   (once per hosted copy) and every dense tensor.
+
+Any refusal: every rank takes the fallback together -- trainer rank 0 broadcasts verl's full
+export (experts included) to every rollout rank, as a broadcast backend would -- with one
+WARNING naming the rank and reason (an error on every rank under ``ASCEND_RL_MOE_RESHARD=on``).
+
+The group is a gloo process group of its own (``torch.distributed.ProcessGroupGloo`` over a
+``TCPStore`` at trainer rank 0), outside both sides' ``torch.distributed`` worlds; buffers are in
+host memory. On an NPU cluster HCCL would carry the same exchange between device buffers; that
+transport is not built here (README, "What only an NPU can show").
+
+Trainer side input: the training engine itself, which stock verl 0.9.1 hands only to its
+``delta_sharded`` backend; the feature's patch of ``ActorRolloutRefWorker.update_weights``
+hands it to any backend whose class says ``takes_training_engine`` (this one). Without the patch verl hands the
+backend Megatron-Bridge's HF export, whose experts are already gathered: the backend then
+falls back (the export moves whole, as broadcast) and says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from . import BACKEND, agreement
+from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_name
+from .planner import PlanError
+
+PLACEMENTS = ("linear", "round_robin")
+
+
+@dataclass(frozen=True)
+class Options:
+    """``rollout.checkpoint_engine.engine_kwargs.ascend_rl_alltoallv`` (checked when verl builds
+    the engine, on both sides).
+
+    ``replica_world_size``: ranks (vLLM workers) of one rollout replica, i.e. its expert-parallel
+    size -- vLLM with ``enable_expert_parallel`` spreads every expert over the ranks of its
+    replica; ``expert_placement``: vLLM's ``expert_placement_strategy`` (``linear`` or
+    ``round_robin``); ``master_address``: the address trainer rank 0 listens on for the group
+    (default: this node's address as Ray sees it); ``timeout_s``: the group's timeout."""
+    replica_world_size: int = 1
+    expert_placement: str = "linear"
+    master_address: str | None = None
+    timeout_s: float = 1800.0
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "Options":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}: unknown key(s) {unknown}; "
+                             f"accepted: {sorted(names)}")
+        opts = cls(**kwargs)
+        if not isinstance(opts.replica_world_size, int) or opts.replica_world_size < 1:
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.replica_world_size must be an "
+                             f"integer >= 1 (vLLM workers per rollout replica), got {opts.replica_world_size!r}")
+        if opts.expert_placement not in PLACEMENTS:
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.expert_placement must be one of "
+                             f"{PLACEMENTS} (vLLM's expert_placement_strategy), got {opts.expert_placement!r}")
+        if not opts.timeout_s > 0:
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.timeout_s must be > 0, got {opts.timeout_s!r}")
+        return opts
+
+    def expert_map(self, rollout_rank: int, num_experts: int) -> tuple[int, ...]:
+        """The experts rollout rank ``rollout_rank`` (of the whole group's rollout ranks) hosts:
+        its rank within its replica under vLLM's placement rule."""
+        ep = self.replica_world_size
+        make = RolloutLayout.linear if self.expert_placement == "linear" else RolloutLayout.round_robin
+        return make(ep, 1, num_experts).expert_maps[rollout_rank % ep]
+
+
+# -- the group ---------------------------------------------------------------------------------
+
+class Link:
+    """Two gloo process groups over the trainer and rollout processes of one sync, outside both
+    sides' ``torch.distributed`` worlds (the trainer's is Megatron's, the rollout workers' their
+    own), with the collectives the backend uses: ``pg`` over every rank (votes, the reshard's
+    all-to-alls) and ``fan`` over trainer rank 0 and the rollout ranks (the broadcast: the other
+    trainer ranks neither send nor receive there)."""
+
+    def __init__(self, host: str, port: int, rank: int, world: int, trainer_world: int, timeout_s: float):
+        import datetime
+
+        import torch.distributed as dist
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world = rank, world
+        self._store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{BACKEND}/all/", self._store), rank, world, timeout)
+        fan = [0] + list(range(trainer_world, world))
+        self.fan = None
+        if rank in fan:
+            self.fan = dist.ProcessGroupGloo(dist.PrefixStore(f"{BACKEND}/fan/", self._store), fan.index(rank),
+                                             len(fan), timeout)
+
+    def broadcast(self, tensor) -> None:
+        """From trainer rank 0 to every rollout rank (members of ``fan`` only)."""
+        import torch.distributed as dist
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.fan.broadcast([tensor], opts).wait()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        data = None
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size[0] = data.numel()
+        self.broadcast(size)
+        if self.rank != 0:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.broadcast(data)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def all_gather_object(self, obj: Any) -> list:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self.pg.allgather([sizes], [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        longest = max(int(s[0]) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+        self.pg.allgather([outs], [padded]).wait()
+        return [pickle.loads(o[:int(s[0])].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+    def exchange(self, recv, send, *, output_split_sizes, input_split_sizes, group=None):
+        """The executor's exchange contract (``executor.all_to_all_exchange``) on this group."""
+        import torch.distributed as dist
+        return self.pg.alltoall_base(recv, send, list(output_split_sizes), list(input_split_sizes),
+                                     dist.AllToAllOptions())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_address() -> str:
+    try:
+        import ray
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 -- no Ray: a single-node run
+        return "127.0.0.1"
+
+
+# -- the trainer side's input --------------------------------------------------------------------
+
+@dataclass
+class TrainingSource:
+    """What the trainer side reads: the Megatron model chunks (this rank's local expert shards),
+    their ``TransformerConfig``, and the engine's full HF export (a callable: it is collective
+    over the trainer ranks, so it runs only once every rank has decided which path to take).
+
+    ``from_engine`` reads it from verl 0.9.1's ``MegatronEngine`` (``module``, ``tf_config``,
+    ``get_per_tensor_param``)."""
+    chunks: list
+    config: Any
+    export: Callable[[], Iterator[tuple[str, Any]]]
+
+    @classmethod
+    def from_engine(cls, engine) -> "TrainingSource":
+        for attr in ("module", "tf_config", "get_per_tensor_param"):
+            if not hasattr(engine, attr):
+                raise PlanError(f"the training engine {type(engine).__name__} has no {attr} (the reshard reads "
+                                "a Megatron engine's local expert shards)")
+
+        def export():
+            weights, _peft = engine.get_per_tensor_param()
+            return weights
+        return cls(list(engine.module), engine.tf_config, export)
+
+
+def dense_only(weights) -> Iterator[tuple[str, Any]]:
+    """The export without its routed-expert tensors (HF expert names), which the reshard moves."""
+    for name, tensor in weights:
+        if parse_hf_expert_name(name) is None:
+            yield name, tensor
+
+
+@dataclass(frozen=True)
+class TrainerVote:
+    """What a trainer rank tells the group: the expert geometry and training layout (every
+    trainer rank must agree), the experts' dtype (the receivers allocate with it)."""
+    shape: MoEShape
+    training: TrainingLayout
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RolloutVote:
+    """What a rollout rank tells the group: the experts it hosts, in local-slot order."""
+    expert_map: tuple[int, ...]
+
+
+def trainer_setup(source: TrainingSource, link_rank: int):
+    """This trainer rank's vote payload and local expert parameters (raises PlanError with the
+    reason it cannot take part)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from verl.utils.megatron_utils import unwrap_model
+
+    from .hooks_verl06 import expert_impl_of, local_expert_params, moe_layers
+    cfg = source.config
+    if not getattr(cfg, "num_moe_experts", None):
+        raise PlanError("the training model has no routed experts")
+    impl = expert_impl_of(unwrap_model(source.chunks[0]))
+    if impl is None:
+        raise PlanError("no SequentialMLP / GroupedMLP / TEGroupedMLP experts in the training model")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != link_rank:
+        raise PlanError(f"trainer rank {rank} is rank {link_rank} of the checkpoint engine's group (the planner "
+                        "needs trainer rank r at group rank r)")
+    params = local_expert_params(source.chunks, cfg)
+    dtypes = sorted({str(t.dtype) for t in params.values()})
+    if len(dtypes) != 1:
+        raise PlanError(f"expert parameters must share one dtype (got {dtypes})")
+    shape = MoEShape(num_layers=cfg.num_layers, num_experts=cfg.num_moe_experts, hidden=cfg.hidden_size,
+                     ffn_hidden=cfg.moe_ffn_hidden_size, moe_layers=moe_layers(cfg),
+                     dtype_bytes=next(iter(params.values())).element_size())
+    training = TrainingLayout(
+        tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
+        ep=mpu.get_expert_model_parallel_world_size(), etp=mpu.get_expert_tensor_parallel_world_size(),
+        cp=mpu.get_context_parallel_world_size(), vpp=len(source.chunks), expert_impl=impl).with_world(world)
+    coords = training.coords(rank)
+    actual = {"tp": mpu.get_tensor_model_parallel_rank(), "pp": mpu.get_pipeline_model_parallel_rank(),
+              "ep": mpu.get_expert_model_parallel_rank(), "etp": mpu.get_expert_tensor_parallel_rank()}
+    if any(coords[k] != v for k, v in actual.items()):
+        raise PlanError(f"Megatron's rank coordinates {actual} are not the planner's {coords} (a rank order "
+                        "other than tp-cp-ep-dp-pp)")
+    return TrainerVote(shape, training, dtypes[0].replace("torch.", "")), params
+
+
+@dataclass
+class Agreed:
+    """The plan inputs every rank built from the gathered votes (identical on every rank)."""
+    shape: MoEShape
+    training: TrainingLayout
+    rollout: RolloutLayout
+    dtype: str
+
+
+def agreed_layouts(votes: list, trainer_world: int) -> Agreed:
+    """Shape and layouts from every rank's vote payload (raises PlanError if the trainer ranks
+    disagree). Every rank runs this on the same gathered data, so every rank gets the same."""
+    trainers, rollouts = votes[:trainer_world], votes[trainer_world:]
+    first = trainers[0]
+    if any(t != first for t in trainers):
+        raise PlanError("trainer ranks disagree on the expert geometry or training layout")
+    maps = [r.expert_map for r in rollouts]
+    rollout = dataclasses.replace(RolloutLayout.from_expert_maps(1, len(maps), maps), first_rank=trainer_world)
+    rollout.check(first.shape)
+    return Agreed(first.shape, first.training, rollout, first.dtype)
+
+
+# -- the backend ---------------------------------------------------------------------------------
+
+@CheckpointEngineRegistry.register(BACKEND)
+class AllToAllVCheckpointEngine(CheckpointEngine):
+    """verl 0.9 checkpoint engine moving MoE experts by the all-to-all-v reshard (module docstring).
+
+    Built by verl with ``bucket_size`` (bytes), ``is_master`` (trainer rank 0; the rollout side
+    passes nothing) and the :class:`Options` keys from ``engine_kwargs.ascend_rl_alltoallv``."""
+
+    takes_training_engine = True   # read by the feature's update_weights patch
+    wire_format = "named_tensors"
+
+    def __init__(self, bucket_size: int, is_master: bool = False, **engine_kwargs):
+        if not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"{BACKEND}: bucket_size must be a positive number of bytes "
+                             f"(update_weights_bucket_megabytes << 20), got {bucket_size!r}")
+        self.bucket_size = bucket_size
+        self.is_master = is_master
+        self.options = Options.from_kwargs(dict(engine_kwargs))
+        self.link: Link | None = None
+        self.trainer_world = 0
+        self.last: SyncReport | None = None
+
+    # -- topology ------------------------------------------------------------------------------
+    def prepare(self) -> dict:
+        """Trainer rank 0 picks the group's address; the others have nothing to say."""
+        if not self.is_master:
+            return {}
+        return {"host": self.options.master_address or _node_address(), "port": _free_port()}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+        """Trainer ranks ``[0, A)``, then the rollout ranks ``[A, A+R)``; everyone meets at trainer
+        rank 0's address (``metadata[0]``: verl lists the trainer workers' metadata first)."""
+        master = metadata[0]
+        if not master.get("port"):
+            raise ValueError(f"{BACKEND}: trainer rank 0 gave no group address (is_master was not set on it)")
+        world = actor_wg_world_size + rollout_world_size
+
+        def side(ranks):
+            n = len(ranks)
+            return {"rank": list(ranks), "world_size": [world] * n, "master_metadata": [master] * n,
+                    "trainer_world_size": [actor_wg_world_size] * n}
+        return side(range(actor_wg_world_size)), side(range(actor_wg_world_size, world))
+
+    def init_process_group(self, rank: int, world_size: int, master_metadata: dict, trainer_world_size: int):
+        self.link = Link(master_metadata["host"], int(master_metadata["port"]), rank, world_size,
+                         trainer_world_size, self.options.timeout_s)
+        self.trainer_world = trainer_world_size
+
+    def finalize(self):
+        self.link = None
+
+    # -- the sync ------------------------------------------------------------------------------
+    async def send_weights(self, weights, global_steps: int | None = None):
+        """Trainer side. ``weights``: the training engine (handed by the feature's patch) or a
+        :class:`TrainingSource`; anything else (verl's stock hand-off: the bridge's HF export)
+        takes the fallback on every rank, with the reason."""
+        if self.link is None:
+            raise RuntimeError(f"{BACKEND}: send_weights before init_process_group")
+        source, why = _source_of(weights)
+        params, vote = {}, None
+        if source is not None:
+            got, why = agreement.attempt("setup", trainer_setup, source, self.link.rank)
+            if got is not None:
+                vote, params = got
+        report = SyncReport()
+        for _ in self._sync(vote, why, params, report):
+            pass                                       # trainer ranks receive nothing
+        fallback_export = source.export if source is not None else (lambda: weights)
+        self._dense(lambda: dense_only(source.export()) if report.resharded else fallback_export(), report)
+        self.last = report
+        return {}
+
+    def receive_weights(self, global_steps: int | None = None) -> Iterator[tuple[str, Any]]:
+        """Rollout side: this rank's hosted experts (reshard) or nothing yet (fallback), then every
+        broadcast tensor; a plain generator (verl's server adapter accepts one)."""
+        if self.link is None:
+            raise RuntimeError(f"{BACKEND}: receive_weights before init_process_group")
+        report = SyncReport()
+        yield from self._sync(None, "", {}, report)
+        yield from self._dense(None, report)
+        self.last = report
+
+    def _sync(self, vote: TrainerVote | None, why: str, params: dict, report: "SyncReport"):
+        """Both sides: the votes, the plan, the experts (module docstring, steps 1-3)."""
+        from . import MODE, bucket_bytes
+        from .executor import prepare_reshard
+        link = self.link
+        trainer = link.rank < self.trainer_world
+        # round 1: can every rank take part? (the trainer ranks also say what they train); round 2:
+        # the rollout ranks' expert maps, for which they need the expert count from round 1
+        first = agreement.decide(agreement.Vote(why, payload=vote if trainer else None), gather=link.all_gather_object)
+        reason, agreed = first.reason, None
+        if not reason:
+            mine = vote
+            if not trainer:
+                mine, why = agreement.attempt(
+                    "expert map", lambda: RolloutVote(self.options.expert_map(
+                        link.rank - self.trainer_world, first.votes[0].payload.shape.num_experts)))
+            second = agreement.decide(agreement.Vote(why, payload=mine), gather=link.all_gather_object)
+            reason = second.reason
+            if not reason:   # built from gathered data: the same answer (or reason) on every rank
+                agreed, reason = agreement.attempt("layouts", agreed_layouts, [v.payload for v in second.votes],
+                                                   self.trainer_world)
+        prepared = None
+        if not reason:
+            dtype = getattr(torch, agreed.dtype)
+            prepared, why = agreement.attempt(
+                "plan", lambda: prepare_reshard(params, shape=agreed.shape, training=agreed.training,
+                                                rollout=agreed.rollout, bucket_bytes=bucket_bytes(),
+                                                rank=link.rank, dtype=dtype, device="cpu", exchange=link.exchange))
+            reason = agreement.decide(agreement.Vote(why, prepared.key if prepared else ""),
+                                      gather=link.all_gather_object).reason
+        if reason:
+            report.reason = reason
+            if MODE.value == "on":
+                raise RuntimeError(f"ASCEND_RL_MOE_RESHARD=on but the expert reshard cannot run: {reason}")
+            from ...patching.fallback import fall_back
+            fall_back("moe_reshard", f"{BACKEND}: the whole export broadcast from trainer rank 0", reason)
+            return
+        report.resharded, report.plan_key, report.plan_cached = True, prepared.key, prepared.cached
+        for name, tensor in prepared.stream():
+            report.experts.append(name)
+            yield name, tensor
+
+    def _dense(self, weights: Callable[[], Iterator] | None, report: "SyncReport"):
+        """Broadcast from trainer rank 0 in buckets: every trainer rank runs the export (it is
+        collective among them), rank 0 sends; the rollout ranks yield what arrives."""
+        link = self.link
+        if link.rank < self.trainer_world:
+            bucket, size = [], 0
+            for name, tensor in weights():
+                if link.rank != 0:
+                    continue
+                t = tensor.detach().to("cpu").contiguous()
+                if bucket and size + t.nbytes > self.bucket_size:
+                    self._send_bucket(bucket)
+                    bucket, size = [], 0
+                bucket.append((name, t))
+                size += t.nbytes
+            if link.rank == 0:
+                if bucket:
+                    self._send_bucket(bucket)
+                link.broadcast_object(None)
+            return iter(())
+        return self._receive_buckets(report)
+
+    def _send_bucket(self, bucket: list) -> None:
+        metas = [(name, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.nbytes) for name, t in bucket]
+        self.link.broadcast_object(metas)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+        self.link.broadcast(flat)
+
+    def _receive_buckets(self, report: "SyncReport"):
+        while True:
+            metas = self.link.broadcast_object(None)
+            if metas is None:
+                return
+            flat = torch.empty(sum(m[3] for m in metas), dtype=torch.uint8)
+            self.link.broadcast(flat)
+            off = 0
+            for name, shape, dtype, nbytes in metas:
+                report.broadcast.append(name)
+                yield name, flat[off:off + nbytes].view(getattr(torch, dtype)).view(shape)
+                off += nbytes
+
+
+@dataclass
+class SyncReport:
+    """What the last sync did on this rank (tests and logs read it): whether the experts were
+    resharded (else ``reason``), the plan's key and whether it came from the cache, the expert
+    tensors received from the reshard and the tensors received by broadcast, by name."""
+    resharded: bool = False
+    reason: str = ""
+    plan_key: str = ""
+    plan_cached: bool = False
+    experts: list = dataclasses.field(default_factory=list)
+    broadcast: list = dataclasses.field(default_factory=list)
+
+
+def _source_of(weights) -> tuple[TrainingSource | None, str]:
+    if isinstance(weights, TrainingSource):
+        return weights, ""
+    if hasattr(weights, "get_per_tensor_param") and hasattr(weights, "module"):
+        src, why = agreement.attempt("training engine", TrainingSource.from_engine, weights)
+        return src, why
+    return None, ("verl handed the backend an HF export (experts already gathered), not the training engine: "
+                  "the moe_reshard.hand_training_engine patch is not applied (ASCEND_RL_MOE_RESHARD=off?)")
+
+
+__all__ = ["AllToAllVCheckpointEngine", "BACKEND", "Options", "TrainingSource", "SyncReport", "dense_only"]

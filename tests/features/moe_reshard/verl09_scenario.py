@@ -1,0 +1,289 @@
+"""verl 0.9.1 checkpoint-engine backend ``ascend_rl_alltoallv`` between real Megatron-Core trainer
+processes and rollout processes (run by test_verl09_backend.py; never imported by pytest itself).
+
+Two process groups, as in verl 0.9.1: the trainer's (4 gloo ranks: Megatron-Core 0.16.1's
+``parallel_state`` and a real GPTModel from the CPU harness, local layers, SequentialMLP or
+GroupedMLP experts, EP 2 with ETP 2 or ETP 1) and the rollout's (2 ranks, as verl's
+``CheckpointEngineWorker`` processes: nothing but the backend). Each side builds the backend
+through verl's real ``CheckpointEngineRegistry`` (the module ``custom_backend_module`` would
+name, imported by ``verl.utils.import_utils.import_external_libs`` as verl does), takes its
+ranks from the backend's ``build_topology`` and joins the backend's own group. The steps
+verl's ``CheckpointEngineManager`` runs over Ray (prepare / topology / send + receive /
+finalize) are run here by the two sides' scenarios in the same order, without Ray.
+
+What the trainer sends: the backend reads this rank's local expert shards from the Megatron
+model; "the engine's export" is the stock path's output, stood in for by the full HF tensors of
+the harness's canonical weights (Megatron-Bridge's ``export_hf_weights``, which verl 0.9.1's
+MegatronEngine calls, cannot be installed here: it imports TransformerEngine): dense tensors
+under their Megatron names, experts under their HF names, gathered, as the bridge yields them.
+
+Cases, in order, on both sides: ``reshard`` (then ``again``: the plan comes from the cache),
+``stock_handoff`` (verl's own hand-off without the feature's patch: the HF export, which the
+backend refuses -> the fallback on every rank), ``trainer_refuses`` (trainer rank 2 of 4 cannot
+read its model: every rank falls back), ``rollout_refuses`` (the second rollout rank cannot
+produce its expert map: every rank falls back), ``after`` (a reshard again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+ARCH = dict(layers=2, hidden=64, moe_ffn_hidden=32, heads=4, query_groups=2, kv_channels=16, vocab=64, seq_len=8,
+            experts=4)
+CASES = ("reshard", "again", "stock_handoff", "trainer_refuses", "rollout_refuses", "after")
+TRAINERS, ROLLOUTS = 4, 2
+BUCKET = 1 << 14        # 16 KiB buckets: several broadcast buckets and all-to-all rounds per sync
+
+
+class _Log(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _engine(port: int, is_master: bool, placement: str):
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    from ascend_rl_plugins.features import moe_reshard
+    import_external_libs(moe_reshard.BACKEND_MODULE)      # what custom_backend_module makes verl do
+    kwargs = dict(replica_world_size=ROLLOUTS, expert_placement=placement, master_address="127.0.0.1")
+    if is_master:
+        engine = CheckpointEngineRegistry.new(moe_reshard.BACKEND, is_master=True, bucket_size=BUCKET, **kwargs)
+    else:
+        engine = CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=BUCKET, **kwargs)
+    meta = engine.prepare() if is_master else {}
+    if is_master:
+        meta = dict(meta, port=port)    # the test's port: both groups must meet without Ray passing it
+    else:
+        meta = {"host": "127.0.0.1", "port": port}
+    trainers, rollouts = type(engine).build_topology(TRAINERS, ROLLOUTS, [meta] * (TRAINERS + ROLLOUTS))
+    return engine, trainers, rollouts
+
+
+def _stock_export(arch) -> dict:
+    """The full HF-style export of the canonical weights: dense by Megatron name, experts split
+    into HF gate / up / down by global expert id (what a gathering export yields)."""
+    from tests.support.megatron import canonical_weights
+
+    from ascend_rl_plugins.features.moe_reshard.layout import hf_expert_name
+    canonical = canonical_weights(arch, 0)
+    out, i = {}, arch.moe_ffn_hidden
+    for name, t in canonical.items():
+        if ".mlp.experts." not in name:
+            out[name] = t
+    for layer in range(arch.layers):
+        for e in range(arch.experts):
+            p = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}."
+            fc1, fc2 = canonical[p + "linear_fc1.weight"], canonical[p + "linear_fc2.weight"]
+            out[hf_expert_name(layer, e, "gate_proj")] = fc1[:i].contiguous()
+            out[hf_expert_name(layer, e, "up_proj")] = fc1[i:].contiguous()
+            out[hf_expert_name(layer, e, "down_proj")] = fc2.contiguous()
+    return out
+
+
+def trainer(port: int, moe: str, tp: int, ep: int, etp: int, placement: str) -> dict:
+    import faulthandler
+    import sys
+
+    import torch.distributed as dist
+    faulthandler.dump_traceback_later(600, exit=True, file=sys.stderr)  # a hang shows where
+
+    from tests.support.megatron import megatron_model
+
+    from ascend_rl_plugins.features.moe_reshard import verl09_backend
+    from ascend_rl_plugins.patching.fallback import forget
+    rank = dist.get_rank()
+    handler = _Log()
+    logging.getLogger("ascend_rl_plugins").addHandler(handler)
+    out = {"rank": rank, "cases": {}}
+    with megatron_model(tp=tp, ep=ep, etp=etp, moe=moe, **ARCH) as h:
+        stock = _stock_export(h.arch)
+
+        def export():
+            return iter(list(stock.items()))
+        source = verl09_backend.TrainingSource([h.model], h.config, export)
+        engine, kwargs, _ = _engine(port, rank == 0, placement)
+        engine.init_process_group(**{k: v[rank] for k, v in kwargs.items()})
+        for case in CASES:
+            forget()
+            handler.lines.clear()
+            given = source
+            if case == "stock_handoff":
+                given = export()                      # verl 0.9.1 without the patch: the HF export
+            elif case == "trainer_refuses" and rank == 2:
+                given = verl09_backend.TrainingSource([h.model], _NoExperts(h.config), export)
+            asyncio.run(engine.send_weights(given))
+            r = engine.last
+            out["cases"][case] = {"resharded": r.resharded, "reason": r.reason, "cached": r.plan_cached,
+                                  "key": r.plan_key, "log": list(handler.lines)}
+        engine.finalize()
+    return out
+
+
+class _NoExperts:
+    """A TransformerConfig seen without its experts (a rank that cannot read its model)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        if name == "num_moe_experts":
+            return None
+        return getattr(self._config, name)
+
+
+def rollout(port: int, moe: str, placement: str) -> dict:
+    import faulthandler
+    import sys
+
+    import torch
+    faulthandler.dump_traceback_later(600, exit=True, file=sys.stderr)  # a hang shows where
+    import torch.distributed as dist
+
+    from tests.support.megatron import Arch
+
+    from ascend_rl_plugins.features.moe_reshard.layout import RolloutLayout, parse_hf_expert_name
+    from ascend_rl_plugins.patching.fallback import forget
+    local = dist.get_rank()
+    rank = TRAINERS + local
+    handler = _Log()
+    logging.getLogger("ascend_rl_plugins").addHandler(handler)
+    arch = Arch(moe=moe, **ARCH)
+    stock = _stock_export(arch)
+    make = RolloutLayout.linear if placement == "linear" else RolloutLayout.round_robin
+    hosted = list(make(ROLLOUTS, 1, arch.experts).expert_maps[local])
+    engine, _, kwargs = _engine(port, False, placement)
+    engine.init_process_group(**{k: v[local] for k, v in kwargs.items()})
+    out = {"rank": rank, "hosted": hosted, "cases": {}}
+    for case in CASES:
+        forget()
+        handler.lines.clear()
+        if case == "rollout_refuses" and local == 1:
+            def broken(*_a, **_k):
+                raise RuntimeError("expert map unreadable (injected)")
+            engine.options = _Options(engine.options, broken)
+        got = [(name, t.clone()) for name, t in engine.receive_weights()]
+        if case == "rollout_refuses" and local == 1:
+            engine.options = engine.options.inner
+        names = [n for n, _ in got]
+        expert_ids = sorted({parse_hf_expert_name(n)[1] for n in names if parse_hf_expert_name(n)})
+        r = engine.last
+        out["cases"][case] = {
+            "resharded": r.resharded, "reason": r.reason, "cached": r.plan_cached, "key": r.plan_key,
+            "log": list(handler.lines), "names": len(names), "unique": len(set(names)),
+            "expert_ids": expert_ids, "expert_names": sorted(n for n in names if parse_hf_expert_name(n)),
+            "dense_names": sorted(n for n in names if not parse_hf_expert_name(n)),
+            "wrong": sorted(n for n, t in got if n not in stock or t.dtype != stock[n].dtype
+                            or not torch.equal(t, stock[n])),
+            "from_reshard": len(r.experts), "from_broadcast": len(r.broadcast)}
+    out["stock_dense"] = sorted(n for n in stock if not parse_hf_expert_name(n))
+    out["stock_experts"] = len([n for n in stock if parse_hf_expert_name(n)])
+    engine.finalize()
+    return out
+
+
+class _Options:
+    """The backend's options with ``expert_map`` replaced (an injected failure on one rank)."""
+
+    def __init__(self, inner, expert_map):
+        self.inner, self.expert_map = inner, expert_map
+
+
+# -- registration, configuration and the hand-off patch (one process) -----------------------------
+
+def registry_and_handoff() -> dict:
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    from ascend_rl_plugins.features import moe_reshard
+    import_external_libs(moe_reshard.BACKEND_MODULE)
+    cls = CheckpointEngineRegistry.get(moe_reshard.BACKEND)
+    engine = CheckpointEngineRegistry.new(moe_reshard.BACKEND, is_master=True, bucket_size=1 << 20,
+                                          replica_world_size=4, expert_placement="round_robin",
+                                          master_address="127.0.0.1")
+    meta = engine.prepare()
+    trainers, rollouts = cls.build_topology(2, 3, [meta, {}, {}, {}, {}])
+    registry = {"subclass": issubclass(cls, CheckpointEngine), "takes_training_engine": cls.takes_training_engine,
+                "meta_host": meta["host"], "meta_port": meta["port"], "trainer_ranks": trainers["rank"],
+                "rollout_ranks": rollouts["rank"], "world": rollouts["world_size"],
+                "trainer_world": trainers["trainer_world_size"],
+                "same_master": trainers["master_metadata"] == [meta] * 2 and rollouts["master_metadata"] == [meta] * 3,
+                "replica1_rank1_round_robin": list(engine.options.expert_map(5, 8))}
+    bad = {}
+    for key, kwargs in (("replica_world_size", dict(replica_world_size=0)),
+                        ("expert_placement", dict(expert_placement="random")), ("unknown", dict(replica_size=2))):
+        try:
+            CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=1 << 20, **kwargs)
+            bad[key] = "accepted"
+        except Exception as exc:  # noqa: BLE001 -- the test reads the message
+            bad[key] = f"{type(exc).__name__}: {exc}"
+    return {"registry": registry, "bad_kwargs": bad, "handoff": _handoff()}
+
+
+class _Engine:
+    """The training engine the worker holds (what is handed over is all that is looked at)."""
+    module = ()
+    tf_config = None
+
+    def get_per_tensor_param(self, **kwargs):
+        return iter([("model.embed_tokens.weight", None)]), None
+
+
+def _backend(takes: bool):
+    class Recorder:
+        """A checkpoint engine that records what verl's update_weights hands it."""
+        takes_training_engine = takes
+
+        def __init__(self):
+            self.got = None
+
+        async def send_weights(self, weights, global_steps=None):
+            self.got = "engine" if isinstance(weights, _Engine) else "export"
+            return {"sent": 1}
+    return Recorder()
+
+
+def _worker(backend, name="ascend_rl_alltoallv"):
+    from types import SimpleNamespace
+    return SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(checkpoint_engine=SimpleNamespace(
+        backend=name))), actor=SimpleNamespace(engine=_Engine()), checkpoint_engine=backend)
+
+
+def _handoff() -> dict:
+    import verl.workers.engine_workers as workers
+
+    from ascend_rl_plugins.features import moe_reshard
+    from ascend_rl_plugins.patching import REGISTRY
+    patch = next(p for p in moe_reshard.FEATURE.patches if p.name == "moe_reshard.hand_training_engine")
+    out = {"at_start": patch.outcome.state}
+    if patch.outcome.state == "applied":        # the plugin's autoload (verl's entry point) applied it
+        REGISTRY.revert(patch)
+    stock = _backend(True)
+    asyncio.run(workers.ActorRolloutRefWorker.update_weights(_worker(stock)))
+    out["stock"] = stock.got
+    REGISTRY.apply(patch)
+    try:
+        out["state"] = patch.outcome.state
+        taker, other = _backend(True), _backend(False)
+        out["taker_returns"] = asyncio.run(workers.ActorRolloutRefWorker.update_weights(_worker(taker)))
+        out["taker"] = taker.got
+        asyncio.run(workers.ActorRolloutRefWorker.update_weights(_worker(other)))
+        out["other"] = other.got
+        # 'naive' is verl's colocated path (no checkpoint engine): the patch must not take it over
+        naive = _backend(True)
+        try:
+            asyncio.run(workers.ActorRolloutRefWorker.update_weights(_worker(naive, "naive")))
+        except Exception:  # noqa: BLE001 -- verl's own naive path needs a real rollout; it ran
+            pass
+        out["naive_untouched"] = naive.got is None
+    finally:
+        REGISTRY.revert(patch)
+    again = _backend(True)
+    asyncio.run(workers.ActorRolloutRefWorker.update_weights(_worker(again)))
+    out["reverted"] = again.got
+    return out
