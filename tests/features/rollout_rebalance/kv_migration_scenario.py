@@ -121,11 +121,11 @@ def migrate_between_replicas(model_dir: str) -> dict:
 
 PLANNED_PROMPT_LENGTHS = (5, 20, 37, 50, 12, 28)
 PLANNED_MAX_TOKENS = 64
-SEEDED = 0   # this request samples at temperature 1 with a seed: refused by check_migratable
+REFUSED = 0   # this request has a presence penalty (greedy): refused by check_migratable
 
 
 def _planned_params() -> list:
-    return [_params(PLANNED_MAX_TOKENS, temperature=1.0, seed=7) if i == SEEDED
+    return [_params(PLANNED_MAX_TOKENS, presence_penalty=0.5) if i == REFUSED
             else _params(PLANNED_MAX_TOKENS) for i in range(len(PLANNED_PROMPT_LENGTHS))]
 
 

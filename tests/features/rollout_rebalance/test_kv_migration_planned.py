@@ -4,8 +4,8 @@ on the client's own bookkeeping) between two independent vLLM 0.23 CPU replicas 
 
 All six requests start on replica A (B idle); every 0.05 s the planner sees A's six running
 requests against an idle B and moves the longest-remaining ones with their KV. Checked against
-an unmigrated run on the same engines (greedy, one seeded temperature-1 request that
-``check_migratable`` refuses): moves happened (planned and started > 0, requests finished on
+an unmigrated run on the same engines (greedy, one request with a presence penalty,
+which ``check_migratable`` refuses): moves happened (planned and started > 0, requests finished on
 B), tokens and log-probs identical, each request finished exactly once, every moved hop took
 its source's KV, the refused request never moved, no export or in-flight record left.
 """
@@ -17,7 +17,7 @@ import pytest
 from tests.features.rollout_rebalance.kv_migration_scenario import (
     PLANNED_MAX_TOKENS,
     PLANNED_PROMPT_LENGTHS,
-    SEEDED,
+    REFUSED,
 )
 from tests.features.rollout_rebalance.test_kv_migration_e2e import ENV, pytestmark  # noqa: F401
 from tests.support.child import run_scenario
@@ -35,6 +35,7 @@ def test_the_planner_moved_requests_off_the_loaded_replica(runs):
     planned = runs["planned"]
     summary = {k: planned[k] for k in ("rounds", "moves_planned", "moves_started",
                                        "skipped_unmovable", "finished_on", "capacities")}
+    print("planned migration:", summary)   # shown with pytest -s / -rP
     assert planned["moves_started"] > 0 and planned["moves_planned"] >= planned["moves_started"], summary
     moved = sum(h["outcome"] == "moved" for hops in planned["hops"] for h in hops)
     assert moved == planned["moves_started"], summary
@@ -63,5 +64,5 @@ def test_each_request_finished_exactly_once_and_moved_with_its_kv(runs):
 
 
 def test_a_refused_request_counts_as_load_but_never_moves(runs):
-    hops = runs["planned"]["hops"][SEEDED]
+    hops = runs["planned"]["hops"][REFUSED]
     assert [(h["replica"], h["outcome"]) for h in hops] == [("A", "finished")], hops
