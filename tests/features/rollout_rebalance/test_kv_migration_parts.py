@@ -168,3 +168,14 @@ def test_client_policy_defaults_to_the_flag(monkeypatch):
     finally:
         monkeypatch.undo()
         flags.reset_cache()
+
+
+def test_a_request_id_already_in_flight_is_refused():
+    import asyncio
+
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import InFlight, MigratingClient
+    client = MigratingClient({"A": object()}, None, policy=None)
+    client.in_flight["r0"] = InFlight("r0", "A", 3, 0, 8, movable=True)
+    with pytest.raises(ValueError, match="request_id 'r0' is already in flight"):
+        asyncio.run(client.generate("r0", [1, 2, 3], None, "A"))
+    assert "r0" in client.in_flight   # the running one's record is kept
