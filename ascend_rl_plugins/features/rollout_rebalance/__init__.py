@@ -61,7 +61,9 @@ FEATURE = Feature("rollout_rebalance",
                                   "injected protocol faults; planner property tests; protocol "
                                   "and its failure paths on 2-4 gloo processes; verl 0.9 router "
                                   "loaded by verl 0.9.1's router_config_path loader and driven "
-                                  "by its LLMServerClient (Ray local)",
+                                  "by its LLMServerClient (Ray local); tail migration with KV "
+                                  "between vLLM 0.23 AsyncLLM replicas through the KV "
+                                  "connector, forced and planned (tail_policy) moves",
                       doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
                               "generate) and a vLLM /metrics exposition double",
                       static="verl 0.9.1 async-server notice hook resolved in its source"),
