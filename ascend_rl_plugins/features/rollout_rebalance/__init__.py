@@ -61,7 +61,9 @@ FEATURE = Feature("rollout_rebalance",
                                   "injected protocol faults; planner property tests; protocol "
                                   "and its failure paths on 2-4 gloo processes; verl 0.9 router "
                                   "loaded by verl 0.9.1's router_config_path loader and driven "
-                                  "by its LLMServerClient (Ray local)",
+                                  "by its LLMServerClient (Ray local); tail migration with KV "
+                                  "between vLLM 0.23 AsyncLLM replicas through the KV "
+                                  "connector, forced and planned (tail_policy) moves",
                       doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
                               "generate) and a vLLM /metrics exposition double",
                       static="verl 0.9.1 async-server notice hook resolved in its source"),
@@ -163,6 +165,18 @@ ROUTER_METRICS_INTERVAL = flags.define(
     "ASCEND_RL_ROUTER_METRICS_INTERVAL", "float", 1.0,
     "verl 0.9 router: seconds between two reads of every server's /metrics. Router YAML key: "
     "metrics_interval_s.", minimum=0.05, maximum=60, feature="rollout_rebalance")
+MIGRATION = flags.define(
+    "ASCEND_RL_ROLLOUT_MIGRATION", "enum", "off",
+    "Tail migration between vLLM 0.23 replicas (migration_client.MigratingClient): 'off' (no "
+    "request moves) or 'planned' (every ASCEND_RL_ROLLOUT_MIGRATION_INTERVAL s, "
+    "tail_policy.plan_moves on the client's in-flight requests; its running-request moves "
+    "run with their KV). Off by default: the planner's cost figures are uncalibrated.",
+    choices=("off", "planned"), feature="rollout_rebalance")
+MIGRATION_INTERVAL = flags.define(
+    "ASCEND_RL_ROLLOUT_MIGRATION_INTERVAL", "float", 2.0,
+    "Seconds between two migration plans of the planned policy (each plan reads only the "
+    "client's own bookkeeping; moves wait for the request's next output).", minimum=0.01,
+    maximum=600, feature="rollout_rebalance")
 ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_KV_RESERVE, ROUTER_SLOTS,
                 ROUTER_LOAD,
                 ROUTER_METRICS_INTERVAL)

@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from . import tail_policy
 from .kv_migration import KVExportStore, MigrationParams, new_key
 
 log = logging.getLogger("ascend_rl_plugins")
@@ -59,6 +60,18 @@ class Progress:
     generated: int        # tokens received in all hops
     remaining: int        # tokens still allowed (max_tokens - generated)
     live_replicas: list
+
+
+@dataclass
+class InFlight:
+    """One request the client owns right now, as a planner needs it (kept current per output)."""
+
+    request_id: str
+    replica: str          # where its current hop runs
+    prompt_tokens: int    # the request's own prompt
+    generated: int        # tokens received in all hops
+    max_tokens: int
+    movable: bool         # False: check_migratable refused it; it counts as load, never moves
 
 
 @dataclass
@@ -114,6 +127,136 @@ class ForcedMigration:
             next(r for r in order[order.index(p.replica) + 1:] + order if r != p.replica)
 
 
+@dataclass(frozen=True)
+class ReplicaCapacity:
+    """What a replica can hold: sequences in flight and KV tokens."""
+
+    slots: int
+    kv_tokens: int
+
+
+def replica_capacity(engine) -> ReplicaCapacity:
+    """An ``AsyncLLM``'s capacity from its own config: ``max_num_seqs``, and its KV cache
+    (``num_gpu_blocks`` x ``block_size``; vLLM's core client writes the engine cores' block
+    count into the front end's config at start-up)."""
+    config = getattr(engine, "vllm_config", None)
+    blocks = getattr(getattr(config, "cache_config", None), "num_gpu_blocks", None)
+    if config is None or not blocks:
+        raise ValueError(f"{type(engine).__name__}: no vllm_config.cache_config.num_gpu_blocks to "
+                         f"read its KV capacity from; give PlannedMigration capacities="
+                         f"{{replica: ReplicaCapacity(slots, kv_tokens)}}")
+    return ReplicaCapacity(int(config.scheduler_config.max_num_seqs),
+                           int(blocks) * int(config.cache_config.block_size))
+
+
+@dataclass
+class PlannedMigration:
+    """The live trigger: every ``interval_s`` seconds, ``tail_policy.plan_moves`` on what the
+    client knows (per replica: its in-flight requests with prompt and generated tokens, its
+    slots and KV capacity; per request an expected length, by default its ``max_tokens``), and
+    each planned running-request move is made at the request's next output, if it is still on
+    the move's source then (a plan is replaced by the next one). A plan runs inside some
+    request's output callback: no timer task, nothing runs while nothing is generated.
+
+    What the client cannot do: move a queued request (vLLM does not tell the client which of
+    its requests wait; one with no output yet counts as running); 'prefill' moves go the same
+    way as 'kv' ones (the source exports its KV; a re-prefill happens only if the export
+    does not appear). A planned move of a request ``check_migratable`` refused is skipped.
+    ``step`` / ``transfer`` default to the simulator's uncalibrated figures
+    (``tail_policy.UNCALIBRATED_STEP`` / ``UNCALIBRATED_TRANSFER``)."""
+
+    interval_s: float
+    step: tail_policy.StepCostModel | None = None
+    transfer: tail_policy.TransferCostModel | None = None
+    settings: tail_policy.TailSettings | None = None
+    capacities: dict | None = None        # replica -> ReplicaCapacity; None: read from engines
+    expected_tokens: Callable[[InFlight], float] | None = None
+    clock: Callable[[], float] = time.monotonic
+    rounds: int = 0            # plans made
+    planned: int = 0           # running-request moves planned (all rounds)
+    started: int = 0           # of those, moves handed to the client
+    skipped_unmovable: int = 0
+    _client: Any = None
+    _pending: dict = field(default_factory=dict)   # request id -> tail_policy.Move
+    _last: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"PlannedMigration: interval_s must be > 0, got {self.interval_s!r}")
+        self.step = self.step or tail_policy.UNCALIBRATED_STEP
+        self.transfer = self.transfer or tail_policy.UNCALIBRATED_TRANSFER
+
+    def attach(self, client: "MigratingClient") -> None:
+        self._client = client
+        if self.capacities is None:
+            self.capacities = {name: replica_capacity(engine)
+                               for name, engine in client.replicas.items()}
+        missing = sorted(set(client.replicas) - set(self.capacities))
+        if missing:
+            raise ValueError(f"PlannedMigration: capacities has no entry for replicas {missing}")
+
+    def views(self, live: list) -> list:
+        """The planner's input from the client's in-flight requests (live replicas only)."""
+        expected = self.expected_tokens or (lambda r: float(r.max_tokens))
+        views = {name: tail_policy.ReplicaView(name, self.capacities[name].kv_tokens,
+                                               self.capacities[name].slots) for name in live}
+        for r in list(self._client.in_flight.values()):
+            if r.replica in views:
+                views[r.replica].running.append(tail_policy.RequestView(
+                    r.request_id, r.prompt_tokens, r.generated, expected(r)))
+        return list(views.values())
+
+    def plan(self, live: list) -> list:
+        in_flight = self._client.in_flight
+        longest = max((r.max_tokens for r in in_flight.values()), default=0)
+        moves = [m for m in tail_policy.plan_moves(self.views(live), self.step, self.transfer,
+                                                   longest, self.settings)
+                 if m.method != "queued"]
+        self.rounds += 1
+        self.planned += len(moves)
+        self._pending = {}
+        for m in moves:
+            if in_flight.get(m.request_id) is not None and not in_flight[m.request_id].movable:
+                self.skipped_unmovable += 1
+            else:
+                self._pending[m.request_id] = m
+        if moves:
+            log.info("ascend-rl migration: plan %d: %s", self.rounds,
+                     ", ".join(f"{m.request_id} {m.source}->{m.destination} ({m.method})"
+                               for m in moves))
+        return moves
+
+    def __call__(self, p: Progress) -> str | None:
+        if self._client is None:
+            raise RuntimeError("PlannedMigration: not attached to a MigratingClient")
+        now = self.clock()
+        if self._last is None or now - self._last >= self.interval_s:
+            self._last = now
+            self.plan(p.live_replicas)
+        move = self._pending.get(p.request_id)
+        if move is None or move.source != p.replica or p.remaining <= 1:
+            return None
+        del self._pending[p.request_id]
+        if move.destination not in p.live_replicas:
+            return None
+        self.started += 1
+        return move.destination
+
+
+def policy_from_flags(rollout_migration: str | None = None, interval_s: float | None = None):
+    """The policy ``ASCEND_RL_ROLLOUT_MIGRATION`` (off | planned) and its interval select."""
+    from . import MIGRATION, MIGRATION_INTERVAL
+    choice = MIGRATION.value if rollout_migration is None else rollout_migration
+    if choice == "off":
+        return None
+    if choice == "planned":
+        return PlannedMigration(MIGRATION_INTERVAL.value if interval_s is None else interval_s)
+    raise ValueError(f"ASCEND_RL_ROLLOUT_MIGRATION={choice!r}: accepted off, planned")
+
+
+FROM_FLAGS = "flags"
+
+
 def check_migratable(params) -> None:
     """Raise ValueError naming the sampling parameter that a move would change."""
     if getattr(params, "n", 1) != 1:
@@ -137,10 +280,13 @@ class NoLiveReplica(RuntimeError):
 class MigratingClient:
     """Runs requests on a set of replicas, moving them when ``policy`` says so.
 
-    ``finished_on`` counts final outputs per replica (what exactly-once is checked on)."""
+    ``finished_on`` counts final outputs per replica (what exactly-once is checked on);
+    ``in_flight`` holds every request between its submission and its end (what a planning
+    policy reads). ``policy``: a callable, None (no moves), or ``FROM_FLAGS`` (the default:
+    :func:`policy_from_flags`). A policy with an ``attach`` method is given the client."""
 
     def __init__(self, replicas: dict, store: KVExportStore, *,
-                 policy: Callable[[Progress], str | None] | None = None,
+                 policy: Callable[[Progress], str | None] | None | str = FROM_FLAGS,
                  export_timeout_s: float = 30.0):
         if not replicas:
             raise ValueError("replicas: need at least one")
@@ -148,10 +294,15 @@ class MigratingClient:
             raise ValueError(f"export_timeout_s must be > 0, got {export_timeout_s}")
         self.replicas = dict(replicas)
         self.store = store
+        if policy == FROM_FLAGS:
+            policy = policy_from_flags()
         self.policy = policy
         self.export_timeout_s = export_timeout_s
         self.dead: set[str] = set()
         self.finished_on: Counter = Counter()
+        self.in_flight: dict[str, InFlight] = {}
+        if hasattr(policy, "attach"):
+            policy.attach(self)
 
     def live(self) -> list:
         return [name for name, engine in self.replicas.items()
@@ -159,6 +310,15 @@ class MigratingClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list, params, replica: str
                        ) -> MigratedOutput:
+        if request_id in self.in_flight:
+            raise ValueError(f"request_id {request_id!r} is already in flight on this client")
+        try:
+            return await self._generate(request_id, prompt_token_ids, params, replica)
+        finally:
+            self.in_flight.pop(request_id, None)
+
+    async def _generate(self, request_id: str, prompt_token_ids: list, params, replica: str
+                        ) -> MigratedOutput:
         from vllm.sampling_params import RequestOutputKind
         movable = True
         if self.policy is not None:
@@ -173,9 +333,12 @@ class MigratingClient:
         load_key: str | None = None      # the export the next hop loads (None: prefill)
         load_source: str | None = None   # the replica that wrote it
         max_tokens = params.max_tokens
+        record = self.in_flight[request_id] = InFlight(request_id, replica, len(prompt_token_ids),
+                                                       0, max_tokens, movable)
         while True:
             if replica not in self.live():
                 replica = self._pick(prefer=load_source)
+            record.replica = replica
             hop = Hop(replica, f"{request_id}.{len(hops)}", load_key,
                       prompt_tokens=len(prompt_token_ids) + len(tokens))
             hops.append(hop)
@@ -198,6 +361,7 @@ class MigratingClient:
                     new = list(completion.token_ids)
                     tokens += new
                     hop.tokens += len(new)
+                    record.generated = len(tokens)
                     if completion.logprobs is not None:
                         logprobs += [lp[t].logprob for t, lp in zip(new, completion.logprobs)]
                     if load_key is not None:   # the destination answered: it holds the request

@@ -111,6 +111,16 @@ class TransferCostModel:
         return self.move_overhead_s + tokens / self.prefill_tokens_per_s
 
 
+# The live policy's defaults (``migration_client.PlannedMigration``), uncalibrated: the
+# simulator's figures. Step: ``bench_rollout_rebalance``'s fit to the Qwen3 RL recipe doc's
+# TPOT (base by graph batch, 75 ms of attention over a full 850K-token KV cache, graph ladder
+# 4-64). Transfer: Qwen3-235B at TP4 (94 layers x K,V x 1 KV head x 128 x bf16 = 48128 bytes
+# per token per rank), an assumed 20 GB/s link, 8000 prefill tokens/s per replica.
+UNCALIBRATED_STEP = StepCostModel(((4, 50.0), (8, 52.0), (16, 56.0), (32, 64.0), (64, 80.0),
+                                   (128, 96.0), (256, 124.0)), 75.0 / 850_000, (4, 8, 16, 32, 64))
+UNCALIBRATED_TRANSFER = TransferCostModel(94 * 2 * 1 * 128 * 2, 20e9, 8000.0)
+
+
 @dataclass(frozen=True)
 class TailSettings:
     """How eagerly the planner moves."""

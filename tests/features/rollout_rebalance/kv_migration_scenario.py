@@ -42,18 +42,23 @@ def _engine(model_dir: str, connector_class: str, module: str, store_dir: str):
     return AsyncLLM.from_engine_args(args)
 
 
-def _prompts() -> list:
-    return [[(7 * p + 13 * i) % 480 + 20 for i in range(n)] for p, n in enumerate(PROMPT_LENGTHS)]
+def _prompts(lengths=PROMPT_LENGTHS) -> list:
+    return [[(7 * p + 13 * i) % 480 + 20 for i in range(n)] for p, n in enumerate(lengths)]
 
 
-def _params():
+def _params(max_tokens: int = MAX_TOKENS, **sampling):
     from vllm import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    sampling = {"temperature": 0.0, **sampling}
+    return SamplingParams(max_tokens=max_tokens, logprobs=0, ignore_eos=True, **sampling)
 
 
-async def _run(client, label: str, starts: list) -> dict:
-    outs = await asyncio.gather(*(client.generate(f"{label}-{i}", prompt, _params(), start)
-                                  for i, (prompt, start) in enumerate(zip(_prompts(), starts))))
+async def _run(client, label: str, starts: list, prompts: list | None = None,
+               params: list | None = None) -> dict:
+    prompts = prompts or _prompts()
+    params = params or [_params() for _ in prompts]
+    outs = await asyncio.gather(*(client.generate(f"{label}-{i}", prompt, sampling, start)
+                                  for i, (prompt, sampling, start)
+                                  in enumerate(zip(prompts, params, starts))))
     return {
         "tokens": [o.token_ids for o in outs],
         "logprobs": [o.logprobs for o in outs],
@@ -102,7 +107,63 @@ async def _scenario(model_dir: str, store_dir: str) -> dict:
                 pass
 
 
-def migrate_between_replicas(model_dir: str) -> dict:
+def _in_store_dir(scenario, model_dir: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="arp-kv-migration-",
                                      dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        return asyncio.run(_scenario(model_dir, d))
+        return asyncio.run(scenario(model_dir, d))
+
+
+def migrate_between_replicas(model_dir: str) -> dict:
+    return _in_store_dir(_scenario, model_dir)
+
+
+# -- the live trigger: PlannedMigration (tail_policy.plan_moves on the client's bookkeeping) --
+
+PLANNED_PROMPT_LENGTHS = (5, 20, 37, 50, 12, 28)
+PLANNED_MAX_TOKENS = 64
+REFUSED = 0   # this request has a presence penalty (greedy): refused by check_migratable
+
+
+def _planned_params() -> list:
+    return [_params(PLANNED_MAX_TOKENS, presence_penalty=0.5) if i == REFUSED
+            else _params(PLANNED_MAX_TOKENS) for i in range(len(PLANNED_PROMPT_LENGTHS))]
+
+
+async def _planned_scenario(model_dir: str, store_dir: str) -> dict:
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration, tail_policy
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
+        MigratingClient,
+        PlannedMigration,
+    )
+    store = kv_migration.KVExportStore(store_dir)
+    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
+    a = _engine(model_dir, *shipped, store_dir)
+    b = _engine(model_dir, *shipped, store_dir)
+    n = len(PLANNED_PROMPT_LENGTHS)
+    prompts = _prompts(PLANNED_PROMPT_LENGTHS)
+    try:
+        ref = await _run(MigratingClient({"A": a, "B": b}, store, policy=None), "ref",
+                         ["A" if i % 2 == 0 else "B" for i in range(n)], prompts, _planned_params())
+        for engine in (a, b):
+            await engine.reset_prefix_cache()
+        # the step model says what the planner weighs: a batch of 6 steps 6x slower than a
+        # batch of 1 (CPU decode of the tiny model is not batch-bound; the default figures'
+        # graph ladder pads every batch below 4 to 4 and so sees no gain here)
+        policy = PlannedMigration(
+            interval_s=0.05,
+            step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
+            settings=tail_policy.TailSettings(margin_s=0.0, growth_reserve_tokens=16))
+        client = MigratingClient({"A": a, "B": b}, store, policy=policy)
+        planned = await _run(client, "planned", ["A"] * n, prompts, _planned_params())
+        planned.update(rounds=policy.rounds, moves_planned=policy.planned,
+                       moves_started=policy.started, skipped_unmovable=policy.skipped_unmovable,
+                       capacities={k: [c.slots, c.kv_tokens] for k, c in policy.capacities.items()},
+                       in_flight_left=len(client.in_flight))
+        return {"reference": ref, "planned": planned}
+    finally:
+        for engine in (a, b):
+            engine.shutdown()
+
+
+def planned_migration_between_replicas(model_dir: str) -> dict:
+    return _in_store_dir(_planned_scenario, model_dir)

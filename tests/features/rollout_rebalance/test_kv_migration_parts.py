@@ -82,3 +82,100 @@ def test_refusals_name_the_sampling_parameter(field, value):
     if field == "seed":   # a seed with greedy decoding moves
         params.temperature = 0.0
         check_migratable(params)
+
+
+def _planned_client(**policy_args):
+    """A MigratingClient with a PlannedMigration, given capacities (no engine is started: the
+    policy reads only the client's bookkeeping; the engines run in test_kv_migration_planned)."""
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration, tail_policy
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
+        InFlight,
+        MigratingClient,
+        PlannedMigration,
+        ReplicaCapacity,
+    )
+    clock = [0.0]
+    policy = PlannedMigration(
+        interval_s=1.0, clock=lambda: clock[0],
+        step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
+        settings=tail_policy.TailSettings(margin_s=0.0, growth_reserve_tokens=16),
+        capacities={"A": ReplicaCapacity(8, 4096), "B": ReplicaCapacity(8, 4096)}, **policy_args)
+    client = MigratingClient({"A": object(), "B": object()}, kv_migration.KVExportStore("/nonexistent"),
+                             policy=policy)
+    for i in range(6):
+        client.in_flight[f"r{i}"] = InFlight(f"r{i}", "A", 20, 4 + i, 64, movable=i != 0)
+    return client, policy, clock
+
+
+def _progress(client, request_id, replica="A"):
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import Progress
+    r = client.in_flight[request_id]
+    return Progress(request_id, replica, 0, r.generated, r.max_tokens - r.generated, ["A", "B"])
+
+
+def test_planned_policy_moves_the_planned_requests_once_each():
+    client, policy, clock = _planned_client()
+    # least generated = most expected remaining (64 - generated): r0 and r1 are planned to B;
+    # r0 is refused (counts as load, skipped), r1 moves
+    answers = {rid: policy(_progress(client, rid)) for rid in client.in_flight}
+    assert policy.rounds == 1 and policy.planned == 2 and policy.skipped_unmovable == 1, answers
+    assert answers == {"r0": None, "r1": "B", "r2": None, "r3": None, "r4": None, "r5": None}
+    assert policy.started == 1
+    assert policy(_progress(client, "r1")) is None   # a move is made once
+    client.in_flight["r1"].replica = "B"
+    clock[0] = 0.5
+    assert policy(_progress(client, "r0")) is None and policy.rounds == 1   # within the interval
+    clock[0] = 1.0
+    policy(_progress(client, "r0"))
+    assert policy.rounds == 2   # re-planned from the bookkeeping as it is now
+
+
+def test_planned_policy_skips_a_move_whose_request_left_its_source():
+    client, policy, _ = _planned_client()
+    policy(_progress(client, "r0"))
+    assert set(policy._pending) == {"r1"}
+    assert policy(_progress(client, "r1", replica="B")) is None and policy.started == 0
+
+
+def test_planned_policy_and_flags_reject_bad_input():
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
+        MigratingClient,
+        PlannedMigration,
+        policy_from_flags,
+        replica_capacity,
+    )
+    with pytest.raises(ValueError, match="interval_s"):
+        PlannedMigration(interval_s=0)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        replica_capacity(object())
+    with pytest.raises(ValueError, match="capacities has no entry for replicas \\['B'\\]"):
+        from ascend_rl_plugins.features.rollout_rebalance.migration_client import ReplicaCapacity
+        MigratingClient({"A": object(), "B": object()}, None,
+                        policy=PlannedMigration(1.0, capacities={"A": ReplicaCapacity(1, 16)}))
+    with pytest.raises(ValueError, match="ASCEND_RL_ROLLOUT_MIGRATION='on': accepted off, planned"):
+        policy_from_flags("on")
+    assert policy_from_flags("off") is None
+    assert policy_from_flags("planned", 0.5).interval_s == 0.5
+
+
+def test_client_policy_defaults_to_the_flag(monkeypatch):
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import MigratingClient
+    monkeypatch.setenv("ASCEND_RL_ROLLOUT_MIGRATION", "off")
+    flags.reset_cache()
+    try:
+        assert MigratingClient({"A": object()}, None).policy is None
+    finally:
+        monkeypatch.undo()
+        flags.reset_cache()
+
+
+def test_a_request_id_already_in_flight_is_refused():
+    import asyncio
+
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import InFlight, MigratingClient
+    client = MigratingClient({"A": object()}, None, policy=None)
+    client.in_flight["r0"] = InFlight("r0", "A", 3, 0, 8, movable=True)
+    with pytest.raises(ValueError, match="request_id 'r0' is already in flight"):
+        asyncio.run(client.generate("r0", [1, 2, 3], None, "A"))
+    assert "r0" in client.in_flight   # the running one's record is kept

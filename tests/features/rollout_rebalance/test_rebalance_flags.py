@@ -20,10 +20,17 @@ def test_graph_sizes_parse_to_integers():
 
 
 @pytest.mark.parametrize("flag, raw", [(rr.GRAPH_SIZES, "8,x"), (rr.GRAPH_SIZES, "0,8"),
-                                       (rr.INTERVAL, "0"), (rr.KV, "maybe")])
+                                       (rr.INTERVAL, "0"), (rr.KV, "maybe"),
+                                       (rr.MIGRATION, "on"), (rr.MIGRATION_INTERVAL, "0")])
 def test_bad_values_name_the_variable(flag, raw):
     with pytest.raises(flags.FlagError, match=flag.name):
         flag.read({flag.name: raw})
+
+
+def test_migration_flag_names_its_choices_and_defaults_off():
+    with pytest.raises(flags.FlagError, match="off.*planned"):
+        rr.MIGRATION.read({rr.MIGRATION.name: "always"})
+    assert rr.MIGRATION.read({}) == "off" and rr.MIGRATION_INTERVAL.read({}) == 2.0
 
 
 def test_async_server_notice_is_logged_once(caplog):
