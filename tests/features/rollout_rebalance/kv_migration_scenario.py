@@ -73,16 +73,17 @@ async def _run(client, label: str, starts: list, prompts: list | None = None,
     }
 
 
-async def _scenario(model_dir: str, store_dir: str) -> dict:
+def _store_and_two_replicas(model_dir: str, store_dir: str):
+    """The export store and two replicas running the shipped connector on it."""
     from ascend_rl_plugins.features.rollout_rebalance import kv_migration
-    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
-        ForcedMigration,
-        MigratingClient,
-    )
-    store = kv_migration.KVExportStore(store_dir)
     shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
-    a = _engine(model_dir, *shipped, store_dir)
-    b = _engine(model_dir, *shipped, store_dir)
+    return (kv_migration.KVExportStore(store_dir), _engine(model_dir, *shipped, store_dir),
+            _engine(model_dir, *shipped, store_dir))
+
+
+async def _scenario(model_dir: str, store_dir: str) -> dict:
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
+    store, a, b = _store_and_two_replicas(model_dir, store_dir)
     c = _engine(model_dir, "DyingOnLoadConnector",
                 "tests.features.rollout_rebalance.kv_migration_faults", store_dir)
     try:
@@ -130,15 +131,9 @@ def _planned_params() -> list:
 
 
 async def _planned_scenario(model_dir: str, store_dir: str) -> dict:
-    from ascend_rl_plugins.features.rollout_rebalance import kv_migration, tail_policy
-    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
-        MigratingClient,
-        PlannedMigration,
-    )
-    store = kv_migration.KVExportStore(store_dir)
-    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
-    a = _engine(model_dir, *shipped, store_dir)
-    b = _engine(model_dir, *shipped, store_dir)
+    from ascend_rl_plugins.features.rollout_rebalance import tail_policy
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import MigratingClient, PlannedMigration
+    store, a, b = _store_and_two_replicas(model_dir, store_dir)
     n = len(PLANNED_PROMPT_LENGTHS)
     prompts = _prompts(PLANNED_PROMPT_LENGTHS)
     try:
