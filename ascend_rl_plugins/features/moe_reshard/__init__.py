@@ -110,8 +110,9 @@ FEATURE = Feature(
                "prepare / topology order, the rollout-side engine construction",
         npu="not run: HCCL all-to-all-v speed (the verl 0.9 backend's group is gloo, host buffers), "
             "vLLM-Ascend's w13/w2 transposes after wake-up, MC2 dispatch after an in-place update (README)"),
-    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (verl 0.9.1 checkpoint-engine backend, "
-           "vLLM 0.23 engine)")
+    stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (verl 0.9.1 checkpoint-engine backend "
+           "from real Megatron-Core shards to rollout processes, no vLLM engine behind it yet; vLLM 0.23 "
+           "engine for the rollout-side loader)")
 
 VERL06 = ">=0.6,<0.7"
 REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the expert weights its "

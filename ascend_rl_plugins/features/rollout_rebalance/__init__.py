@@ -54,7 +54,9 @@ LOG = flags.define(
     feature="rollout_rebalance")
 
 FEATURE = Feature("rollout_rebalance",
-                  "rollout long tail: verl 0.9 router via router_config_path; KV migration between DP ranks (verl 0.6)",
+                  "rollout long tail: verl 0.9 router via router_config_path and KV migration between its "
+                  "replicas through a vLLM KV connector (off by default; main_ppo not wired); KV "
+                  "migration between DP ranks (verl 0.6)",
                   flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
