@@ -13,9 +13,14 @@ plan of that step modelled:
   tokens: ``scale * modelled CP time`` of the same micro-batches (the calibrated model,
   corrected by what was measured).
 
-Once at least ``min_hdp_steps`` regrouped and ``min_cp_steps`` CP steps are recorded (within
-the last ``window`` steps), if the regrouped steps took longer in total than CP would have,
-HDP falls back to fixed CP for the rest of the run, with one WARNING line. When no CP step is
+The first ``warmup_steps`` timed steps of the run are not evidence: they pay for allocator
+growth, kernel compilation and communicator set-up whichever layout they ran, and the first
+step is always a regrouped one, so counting it would bias the verdict against HDP. Once at
+least ``min_hdp_steps`` regrouped and ``min_cp_steps`` CP steps are recorded (within the last
+``window`` steps), if the regrouped steps took longer in total than CP would have by more than
+``tolerance`` (a fraction: step-time noise on a real cluster is a few per cent, and a verdict
+taken on three steps must not turn HDP off for a tie), HDP falls back to fixed CP for the rest
+of the run, with one WARNING line. When no CP step is
 known (the planner regrouped everything), the guard asks for a *probe*: the next planned
 mini-batch keeps plain CP, and again after every ``probe_every`` regrouped steps, so the
 scale stays current.
@@ -85,7 +90,10 @@ class HdpGuard:
     min_cp_steps: int = 1
     probe_every: int = 20
     window: int = 200
+    warmup_steps: int = 1
+    tolerance: float = 0.05
     records: list[StepRecord] = field(default_factory=list)
+    warmup_seen: int = 0
     fell_back: bool = False
     pending: StepPlan | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -93,6 +101,7 @@ class HdpGuard:
     def reset(self) -> None:
         with self._lock:
             self.records.clear()
+            self.warmup_seen = 0
             self.fell_back = False
             self.pending = None
 
@@ -116,8 +125,12 @@ class HdpGuard:
     # -- what the timer reports --------------------------------------------------------------
 
     def record(self, step: StepRecord) -> Verdict:
-        """Add a timed step; the verdict over the window."""
+        """Add a timed step (the first ``warmup_steps`` of the run are dropped); the verdict
+        over the window."""
         with self._lock:
+            if self.warmup_seen < self.warmup_steps:
+                self.warmup_seen += 1
+                return self.verdict()
             self.records.append(step)
             del self.records[:-self.window]
         return self.verdict()
@@ -133,11 +146,12 @@ class HdpGuard:
         scale = sum(r.measured_s for r in cp) / modelled_cp if modelled_cp > 0 else 1.0
         measured = sum(r.measured_s for r in hdp)
         cp_would = scale * sum(r.modelled_cp_s for r in hdp)
-        slower = measured > cp_would
+        slower = measured > cp_would * (1.0 + self.tolerance)
         return Verdict(slower, measured, cp_would, scale,
                        f"{len(hdp)} regrouped steps took {measured:.3f} s; plain CP would take "
                        f"{cp_would:.3f} s for the same micro-batches (modelled CP time x "
-                       f"{scale:.3f}, measured over {len(cp)} CP steps)")
+                       f"{scale:.3f}, measured over {len(cp)} CP steps; tolerance "
+                       f"{self.tolerance:.0%})")
 
     def fall_back_now(self, why: str) -> None:
         """HDP off for the rest of the run (one WARNING line)."""

@@ -21,7 +21,7 @@ def hdp_step(measured, modelled, modelled_cp):
 
 
 def test_undecided_until_both_kinds_of_steps_are_timed():
-    guard = HdpGuard(min_hdp_steps=2, min_cp_steps=1)
+    guard = HdpGuard(min_hdp_steps=2, min_cp_steps=1, warmup_steps=0, tolerance=0.0)
     assert guard.record(hdp_step(9.0, 4.0, 5.0)).hdp_slower is None
     assert guard.record(hdp_step(9.0, 4.0, 5.0)).hdp_slower is None  # no CP step yet
     assert guard.record(cp_step(10.0, 5.0)).hdp_slower is not None
@@ -32,7 +32,7 @@ def test_undecided_until_both_kinds_of_steps_are_timed():
 def test_hdp_is_compared_with_cp_corrected_by_what_cp_measured(hdp_measured, slower):
     # CP: modelled 5 s, measured 10 s -> the model is off by x2; the regrouped steps'
     # micro-batches would take 2 * 5 = 10 s under CP, whatever the model said of HDP (4 s)
-    guard = HdpGuard(min_hdp_steps=2, min_cp_steps=1)
+    guard = HdpGuard(min_hdp_steps=2, min_cp_steps=1, warmup_steps=0, tolerance=0.0)
     guard.record(cp_step(10.0, 5.0))
     guard.record(hdp_step(hdp_measured, 4.0, 5.0))
     verdict = guard.record(hdp_step(hdp_measured, 4.0, 5.0))
@@ -42,7 +42,7 @@ def test_hdp_is_compared_with_cp_corrected_by_what_cp_measured(hdp_measured, slo
 
 
 def test_the_cp_probe_comes_after_the_first_regrouped_step_and_every_probe_every():
-    guard = HdpGuard(probe_every=3)
+    guard = HdpGuard(probe_every=3, warmup_steps=0)
     assert not guard.wants_cp_probe()  # nothing timed: plan HDP first
     guard.record(hdp_step(1.0, 1.0, 2.0))
     assert guard.wants_cp_probe()  # a regrouped step and no CP scale yet
@@ -53,6 +53,28 @@ def test_the_cp_probe_comes_after_the_first_regrouped_step_and_every_probe_every
         assert not guard.wants_cp_probe()
     guard.record(hdp_step(1.0, 1.0, 2.0))
     assert guard.wants_cp_probe()  # 3 regrouped steps since the last CP one
+
+
+def test_the_first_step_of_the_run_is_warm_up_not_evidence():
+    # the first step (always regrouped) paid for allocator growth and compilation: 30 s
+    guard = HdpGuard()
+    assert guard.record(hdp_step(30.0, 4.0, 5.0)).hdp_slower is None
+    assert not guard.records and not guard.wants_cp_probe()  # nothing timed yet: plan HDP again
+    guard.record(hdp_step(4.5, 4.0, 5.0))
+    guard.record(cp_step(5.0, 5.0))
+    assert guard.record(hdp_step(4.5, 4.0, 5.0)).hdp_slower is False  # 9 s vs CP's 10 s
+    guard.reset()
+    assert guard.record(hdp_step(4.5, 4.0, 5.0)).hdp_slower is None and not guard.records
+
+
+@pytest.mark.parametrize("hdp_measured, slower", [(5.2, False), (5.3, True)])
+def test_a_tie_within_the_tolerance_keeps_hdp(hdp_measured, slower):
+    guard = HdpGuard(warmup_steps=0)  # default tolerance: 5 %
+    guard.record(cp_step(5.0, 5.0))
+    guard.record(hdp_step(hdp_measured, 4.0, 5.0))
+    verdict = guard.record(hdp_step(hdp_measured, 4.0, 5.0))
+    assert verdict.cp_would_take_s == 10.0 and verdict.hdp_slower is slower, verdict.why
+    assert "tolerance 5%" in verdict.why
 
 
 class RecordedClock:
@@ -91,8 +113,9 @@ def test_measured_slower_falls_back_for_the_rest_of_the_run(clean_guard, caplog)
     regrouped = StepPlan(4, modelled_s=4.0, modelled_cp_s=5.0, regrouped=True)
     plain = StepPlan(4, modelled_s=5.0, modelled_cp_s=5.0, regrouped=False)
     with caplog.at_level(logging.WARNING, logger="ascend_rl_plugins"):
-        calls = run_steps(clean_guard, [regrouped, plain, regrouped], [6.0, 5.0, 6.0], hdp.enabled)
-    assert len(calls) == 3  # every step ran
+        calls = run_steps(clean_guard, [regrouped, regrouped, plain, regrouped],
+                          [30.0, 6.0, 5.0, 6.0], hdp.enabled)
+    assert len(calls) == 4  # every step ran (the first: warm-up, not counted)
     assert clean_guard.fell_back and not hdp.enabled()
     lines = [r.getMessage() for r in caplog.records if "measured slower than CP" in r.getMessage()]
     assert len(lines) == 1 and "falling back to fixed context parallelism" in lines[0], lines
@@ -102,8 +125,8 @@ def test_measured_faster_keeps_hdp(clean_guard, caplog):
     regrouped = StepPlan(4, modelled_s=4.0, modelled_cp_s=5.0, regrouped=True)
     plain = StepPlan(4, modelled_s=5.0, modelled_cp_s=5.0, regrouped=False)
     with caplog.at_level(logging.WARNING, logger="ascend_rl_plugins"):
-        run_steps(clean_guard, [regrouped, plain, regrouped, regrouped], [4.2, 5.0, 4.1, 4.3],
-                  hdp.enabled)
+        run_steps(clean_guard, [regrouped, regrouped, plain, regrouped, regrouped],
+                  [30.0, 4.2, 5.0, 4.1, 4.3], hdp.enabled)
     assert clean_guard.verdict().hdp_slower is False
     assert not clean_guard.fell_back and hdp.enabled()
     assert not [r for r in caplog.records if "measured slower" in r.getMessage()]
