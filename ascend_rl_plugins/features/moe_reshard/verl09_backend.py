@@ -193,9 +193,13 @@ class TrainingSource:
     config: Any
     export: Callable[[], Iterator[tuple[str, Any]]]
 
+    # what ``from_engine`` reads; verl 0.9.1's MindSpeed engine (the one an NPU gets) inherits all
+    # three from MegatronEngine unchanged (test_hooks.py reads that in verl's source)
+    ENGINE_ATTRIBUTES = ("module", "tf_config", "get_per_tensor_param")
+
     @classmethod
     def from_engine(cls, engine) -> "TrainingSource":
-        for attr in ("module", "tf_config", "get_per_tensor_param"):
+        for attr in cls.ENGINE_ATTRIBUTES:
             if not hasattr(engine, attr):
                 raise PlanError(f"the training engine {type(engine).__name__} has no {attr} (the reshard reads "
                                 "a Megatron engine's local expert shards)")
