@@ -30,9 +30,12 @@ What it does per sync, on every rank of that group together:
    verl's nccl / hccl backends move every tensor. The rollout side yields its hosted experts
    (once per hosted copy) and every dense tensor.
 
-Any refusal: every rank takes the fallback together -- trainer rank 0 broadcasts verl's full
-export (experts included) to every rollout rank, as a broadcast backend would -- with one
-WARNING naming the rank and reason (an error on every rank under ``ASCEND_RL_MOE_RESHARD=on``).
+Any refusal: every rank takes the fallback together, with one WARNING naming the rank and reason
+(an error on every rank under ``ASCEND_RL_MOE_RESHARD=on``). With ``fallback_backend`` set (the
+backend the user would otherwise have, e.g. ``nccl``), every rank hands the whole sync to that
+verl backend, built through verl's registry beside this one (its ``prepare`` metadata rides in
+this backend's, its topology and group are built every sync); unset, trainer rank 0 broadcasts
+verl's full export (experts included) to every rollout rank, as a broadcast backend would.
 
 The group is a gloo process group of its own (``torch.distributed.ProcessGroupGloo`` over a
 ``TCPStore`` at trainer rank 0), outside both sides' ``torch.distributed`` worlds; buffers are in
@@ -62,6 +65,16 @@ from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_nam
 from .planner import PlanError
 
 PLACEMENTS = ("linear", "round_robin")
+# registered backends that cannot stand in for this one: itself; "naive" (verl's colocated path, no
+# checkpoint-engine group: the manager never calls a backend for it); "delta_sharded" (its
+# rollout side speaks the "delta_flush" wire format, which verl reads off this backend's class)
+NOT_A_FALLBACK = frozenset({BACKEND, "naive", "delta_sharded"})
+
+
+def fallback_backends() -> list[str]:
+    """The backends ``fallback_backend`` may name: verl's registered checkpoint engines (those whose
+    transport imported in this process: nccl needs cupy, hccl torch_npu, ...) but the excluded."""
+    return sorted(set(CheckpointEngineRegistry._registry) - NOT_A_FALLBACK)
 
 
 @dataclass(frozen=True)
@@ -73,11 +86,17 @@ class Options:
     size -- vLLM with ``enable_expert_parallel`` spreads every expert over the ranks of its
     replica; ``expert_placement``: vLLM's ``expert_placement_strategy`` (``linear`` or
     ``round_robin``); ``master_address``: the address trainer rank 0 listens on for the group
-    (default: this node's address as Ray sees it); ``timeout_s``: the group's timeout."""
+    (default: this node's address as Ray sees it); ``timeout_s``: the group's timeout;
+    ``fallback_backend``: the verl checkpoint-engine backend every rank delegates the whole sync
+    to when the reshard cannot run (the backend the user would otherwise have, e.g. ``nccl``,
+    which on an NPU build of verl is its HCCL engine), built from ``fallback_kwargs`` through
+    verl's registry; unset, the fallback is this backend's own broadcast of the whole export."""
     replica_world_size: int = 1
     expert_placement: str = "linear"
     master_address: str | None = None
     timeout_s: float = 1800.0
+    fallback_backend: str | None = None
+    fallback_kwargs: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "Options":
@@ -95,6 +114,13 @@ class Options:
                              f"{PLACEMENTS} (vLLM's expert_placement_strategy), got {opts.expert_placement!r}")
         if not opts.timeout_s > 0:
             raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.timeout_s must be > 0, got {opts.timeout_s!r}")
+        if opts.fallback_backend is not None and opts.fallback_backend not in fallback_backends():
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.fallback_backend must be one of "
+                             f"{fallback_backends()} (the verl checkpoint-engine backends registered in this process, "
+                             f"less {sorted(NOT_A_FALLBACK)}) or unset, got {opts.fallback_backend!r}")
+        if not isinstance(opts.fallback_kwargs, dict) or (opts.fallback_kwargs and opts.fallback_backend is None):
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.fallback_kwargs must be a mapping of the "
+                             f"fallback_backend's engine_kwargs (and needs fallback_backend), got {opts.fallback_kwargs!r}")
         return opts
 
     def expert_map(self, rollout_rank: int, num_experts: int) -> tuple[int, ...]:
@@ -193,9 +219,13 @@ class TrainingSource:
     config: Any
     export: Callable[[], Iterator[tuple[str, Any]]]
 
+    # what ``from_engine`` reads; verl 0.9.1's MindSpeed engine (the one an NPU gets) inherits all
+    # three from MegatronEngine unchanged (test_hooks.py reads that in verl's source)
+    ENGINE_ATTRIBUTES = ("module", "tf_config", "get_per_tensor_param")
+
     @classmethod
     def from_engine(cls, engine) -> "TrainingSource":
-        for attr in ("module", "tf_config", "get_per_tensor_param"):
+        for attr in cls.ENGINE_ATTRIBUTES:
             if not hasattr(engine, attr):
                 raise PlanError(f"the training engine {type(engine).__name__} has no {attr} (the reshard reads "
                                 "a Megatron engine's local expert shards)")
@@ -307,16 +337,25 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.options = Options.from_kwargs(dict(engine_kwargs))
+        self.fallback: CheckpointEngine | None = None
+        if self.options.fallback_backend is not None:
+            master = {"is_master": True} if is_master else {}   # verl's rollout side passes no is_master
+            self.fallback = CheckpointEngineRegistry.new(self.options.fallback_backend, bucket_size=bucket_size,
+                                                         **master, **self.options.fallback_kwargs)
         self.link: Link | None = None
         self.trainer_world = 0
         self.last: SyncReport | None = None
 
     # -- topology ------------------------------------------------------------------------------
     def prepare(self) -> dict:
-        """Trainer rank 0 picks the group's address; the others have nothing to say."""
-        if not self.is_master:
-            return {}
-        return {"host": self.options.master_address or _node_address(), "port": _free_port()}
+        """Trainer rank 0 picks the group's address; with a fallback backend every rank also
+        carries that backend's own ``prepare`` metadata (its group is built beside this one)."""
+        meta = {}
+        if self.is_master:
+            meta = {"host": self.options.master_address or _node_address(), "port": _free_port()}
+        if self.fallback is not None:
+            meta.update(fallback_backend=self.options.fallback_backend, fallback=self.fallback.prepare())
+        return meta
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
@@ -331,15 +370,30 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
             n = len(ranks)
             return {"rank": list(ranks), "world_size": [world] * n, "master_metadata": [master] * n,
                     "trainer_world_size": [actor_wg_world_size] * n}
-        return side(range(actor_wg_world_size)), side(range(actor_wg_world_size, world))
+        trainers, rollouts = side(range(actor_wg_world_size)), side(range(actor_wg_world_size, world))
+        if master.get("fallback_backend"):     # the fallback backend's own topology, one kwargs dict per rank
+            fallback = CheckpointEngineRegistry.get(master["fallback_backend"])
+            f_trainers, f_rollouts = fallback.build_topology(actor_wg_world_size, rollout_world_size,
+                                                             [m.get("fallback") for m in metadata])
+            for mine, theirs, n in ((trainers, f_trainers, actor_wg_world_size),
+                                    (rollouts, f_rollouts, rollout_world_size)):
+                mine["fallback_kwargs"] = [{k: v[i] for k, v in theirs.items()} for i in range(n)]
+        return trainers, rollouts
 
-    def init_process_group(self, rank: int, world_size: int, master_metadata: dict, trainer_world_size: int):
+    def init_process_group(self, rank: int, world_size: int, master_metadata: dict, trainer_world_size: int,
+                           fallback_kwargs: dict | None = None):
+        """This backend's group, and the fallback backend's beside it (built every sync, as verl
+        would build it: which path a sync takes is only known once every rank has voted)."""
         self.link = Link(master_metadata["host"], int(master_metadata["port"]), rank, world_size,
                          trainer_world_size, self.options.timeout_s)
         self.trainer_world = trainer_world_size
+        if self.fallback is not None:
+            self.fallback.init_process_group(**(fallback_kwargs or {}))
 
     def finalize(self):
         self.link = None
+        if self.fallback is not None:
+            self.fallback.finalize()
 
     # -- the sync ------------------------------------------------------------------------------
     async def send_weights(self, weights, global_steps: int | None = None):
@@ -358,17 +412,31 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         for _ in self._sync(vote, why, params, report):
             pass                                       # trainer ranks receive nothing
         fallback_export = source.export if source is not None else (lambda: weights)
-        self._dense(lambda: dense_only(source.export()) if report.resharded else fallback_export(), report)
         self.last = report
+        if not report.resharded and self.fallback is not None:   # every rank: the user's backend, whole
+            return await self.fallback.send_weights(fallback_export(), global_steps=global_steps)
+        self._dense(lambda: dense_only(source.export()) if report.resharded else fallback_export(), report)
         return {}
 
-    def receive_weights(self, global_steps: int | None = None) -> Iterator[tuple[str, Any]]:
-        """Rollout side: this rank's hosted experts (reshard) or nothing yet (fallback), then every
-        broadcast tensor; a plain generator (verl's server adapter accepts one)."""
+    def receive_weights(self, global_steps: int | None = None):
+        """Rollout side: this rank's hosted experts (reshard) or nothing yet (own fallback), then
+        every broadcast tensor, as a plain generator (verl's server adapter accepts one); with a
+        fallback backend and a refusal anywhere, that backend's own ``receive_weights`` instead.
+        The votes run here, before returning (they decide which of the two is returned)."""
         if self.link is None:
             raise RuntimeError(f"{BACKEND}: receive_weights before init_process_group")
         report = SyncReport()
-        yield from self._sync(None, "", {}, report)
+        experts = self._sync(None, "", {}, report)
+        first = next(experts, None)
+        if not report.resharded and self.fallback is not None:
+            self.last = report
+            return self.fallback.receive_weights(global_steps=global_steps)
+        return self._received(first, experts, report)
+
+    def _received(self, first, experts, report: "SyncReport"):
+        if first is not None:
+            yield first
+            yield from experts
         yield from self._dense(None, report)
         self.last = report
 
@@ -407,7 +475,9 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
             if MODE.value == "on":
                 raise RuntimeError(f"ASCEND_RL_MOE_RESHARD=on but the expert reshard cannot run: {reason}")
             from ...patching.fallback import fall_back
-            fall_back("moe_reshard", f"{BACKEND}: the whole export broadcast from trainer rank 0", reason)
+            to = (f"checkpoint-engine backend {self.options.fallback_backend!r} (fallback_backend): the whole export"
+                  if self.fallback is not None else f"{BACKEND}: the whole export broadcast from trainer rank 0")
+            fall_back("moe_reshard", to, reason)
             return
         report.resharded, report.plan_key, report.plan_cached = True, prepared.key, prepared.cached
         for name, tensor in prepared.stream():
@@ -479,4 +549,5 @@ def _source_of(weights) -> tuple[TrainingSource | None, str]:
                   "the moe_reshard.hand_training_engine patch is not applied (ASCEND_RL_MOE_RESHARD=off?)")
 
 
-__all__ = ["AllToAllVCheckpointEngine", "BACKEND", "Options", "TrainingSource", "SyncReport", "dense_only"]
+__all__ = ["AllToAllVCheckpointEngine", "BACKEND", "Options", "TrainingSource", "SyncReport", "dense_only",
+           "fallback_backends"]

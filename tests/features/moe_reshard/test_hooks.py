@@ -174,6 +174,87 @@ def ast_text(node) -> str:
     return ast.unparse(node)
 
 
+def _class(path: str, name: str):
+    import ast
+    tree = ast.parse(open(path).read())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _defined(klass) -> set[str]:
+    """Methods a class body defines and attributes its methods assign on ``self``."""
+    import ast
+    names = {n.name for n in klass.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(klass):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+    return names
+
+
+def _backend_engine_attributes() -> tuple[str, ...]:
+    """``TrainingSource.ENGINE_ATTRIBUTES`` read from the backend's source (importing the backend
+    imports verl and torch; this test stays static)."""
+    import ast
+    import os
+    path = os.path.join(os.path.dirname(feature.__file__), "verl09_backend.py")
+    source_cls = _class(path, "TrainingSource")
+    (value,) = [n.value for n in source_cls.body if isinstance(n, ast.Assign)
+                and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["ENGINE_ATTRIBUTES"]]
+    return ast.literal_eval(value)
+
+
+def test_verl_09_on_an_npu_the_mindspeed_engine_exports_through_the_megatron_engines_methods():
+    """Which export path verl 0.9.1 takes on an NPU with MindSpeed, read in its source (MindSpeed,
+    torch_npu and an NPU are absent here): the engine registry picks by device, MindSpeed's engine
+    is the one registered for ``megatron`` on ``npu``, it is a ``MegatronEngineWithLMHead`` (a
+    ``MegatronEngine``) that only re-patches MindSpeed before the parallel groups and adds FP8
+    buffer handling on ``to``: the export (``get_per_tensor_param`` through Megatron-Bridge, and
+    ``get_per_tensor_param_shard``) and the attributes the backend reads (``module``,
+    ``tf_config``) are MegatronEngine's, unchanged. verl 0.9.1 has no separate MindSpeed-Bridge
+    export (verl #7335 is not in this release): when one lands, this test fails -- re-check the
+    backend's inputs on it (README, "verl 0.9", NPU export path)."""
+    import os
+
+    from tests.features.upstream_source import python_files
+    from tests.support.stacks import source
+    root = source("current", "verl", "verl")
+    base = ast_text(_method(os.path.join(root, "workers", "engine", "base.py"), "EngineRegistry",
+                            "get_engine_cls"))
+    assert "device = get_device_name()" in base
+    package = open(os.path.join(root, "workers", "engine", "__init__.py")).read()
+    assert "from .mindspeed import MindspeedEngineWithLMHead" in package
+    mindspeed = os.path.join(root, "workers", "engine", "mindspeed", "transformer_impl.py")
+    megatron = os.path.join(root, "workers", "engine", "megatron", "transformer_impl.py")
+    npu_engine = _class(mindspeed, "MindspeedEngineWithLMHead")
+    assert [ast_text(b) for b in npu_engine.bases] == ["MegatronEngineWithLMHead"]
+    assert [ast_text(d) for d in npu_engine.decorator_list] == [
+        "EngineRegistry.register(model_type='language_model', backend='megatron', device='npu')"]
+    assert _defined(npu_engine) == {"__init__", "_init_device_mesh", "to"}
+    lm_head = _class(megatron, "MegatronEngineWithLMHead")
+    assert [ast_text(b) for b in lm_head.bases] == ["MegatronEngine"]
+    reads = set(_backend_engine_attributes()) | {"get_per_tensor_param_shard"}
+    assert reads <= _defined(_class(megatron, "MegatronEngine"))
+    assert not reads & (_defined(lm_head) | _defined(npu_engine))
+    # every MindSpeed module verl 0.9.1 imports: the adaptor's repatch (the engine above), FP8
+    # buffer reuse (its ``to``), CP batch helpers, the checkpoint merger, torch_functional's patch
+    # manager -- no bridge, no weight export of MindSpeed's own
+    assert _mindspeed_imports(root, python_files) == {
+        "mindspeed.core.context_parallel.get_batch_utils", "mindspeed.utils", "mindspeed.megatron_adaptor",
+        "mindspeed.te.pytorch.fp8.reuse", "mindspeed.patch_utils"}
+
+
+def _mindspeed_imports(root: str, python_files) -> set[str]:
+    import ast
+    found = set()
+    for path in python_files(root):
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "mindspeed":
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "mindspeed"}
+    return found
+
+
 # -- the rollout side's expert maps --------------------------------------------------------------
 
 def _fused(expert_map, experts=4, local=None, inter=2, hidden=3):

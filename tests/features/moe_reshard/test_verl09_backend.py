@@ -32,11 +32,11 @@ def _verl09():
 
 
 def _run(moe: str, tp: int, ep: int, etp: int, placement: str):
-    port = free_port()
+    ports = [free_port() for _ in range(3)]   # the backend's group, again with a fallback, the fallback's
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        trainers = pool.submit(run_group, SCENARIO, "trainer", 4, port, moe, tp, ep, etp, placement, env=ENV,
+        trainers = pool.submit(run_group, SCENARIO, "trainer", 4, ports, moe, tp, ep, etp, placement, env=ENV,
                                timeout=900)
-        rollouts = pool.submit(run_group, SCENARIO, "rollout", 2, port, moe, placement, env=ENV, timeout=900)
+        rollouts = pool.submit(run_group, SCENARIO, "rollout", 2, ports, moe, placement, env=ENV, timeout=900)
         return trainers.result(), rollouts.result()
 
 
@@ -98,6 +98,33 @@ def test_one_rank_refusing_makes_every_rank_take_the_broadcast_fallback_with_one
         assert c["wrong"] == []
 
 
+def test_with_a_fallback_backend_one_rank_refusing_hands_the_whole_sync_to_it_on_every_rank(synced):
+    """engine_kwargs name the backend the user would otherwise have (``fallback_backend``; here the
+    scenario's ``test_gloo_broadcast``, a registered CheckpointEngine subclass: verl 0.9.1's own
+    backends need CUDA, NPU or RDMA libraries). Trainer rank 2 of 6 ranks refuses: every rank
+    delegates the whole sync to that backend -- the rollout ranks receive the whole export from it,
+    bit-identical, nothing from the reshard nor from this backend's own broadcast -- each with one
+    WARNING naming the fallback backend, the rank and the reason. With no refusal the reshard runs
+    and the fallback's group stays unused."""
+    trainers, rollouts = synced
+    prefix = "ascend-rl moe_reshard: falling back to checkpoint-engine backend 'test_gloo_broadcast' " \
+             "(fallback_backend): the whole export: "
+    for r in trainers + rollouts:
+        c = r["cases"]["delegated_refuses"]
+        assert not c["resharded"] and c["reason"].startswith("rank 2: setup: the training model has no routed experts")
+        assert c["log"] == [prefix + c["reason"]], c["log"]
+        ok = r["cases"]["delegated_reshard"]
+        assert ok["resharded"] and ok["log"] == [] and ok["fallback_moved"] == 0
+    total = len(rollouts[0]["stock_dense"]) + rollouts[0]["stock_experts"]
+    assert trainers[0]["cases"]["delegated_refuses"]["returned"] == {"fallback_tensors": total}
+    for r in rollouts:
+        c = r["cases"]["delegated_refuses"]
+        assert c["fallback_moved"] == c["names"] == c["unique"] == total
+        assert c["from_reshard"] == 0 and c["from_broadcast"] == 0 and c["wrong"] == []
+        ok = r["cases"]["delegated_reshard"]
+        assert ok["from_reshard"] == len(ok["expert_names"]) > 0 and ok["wrong"] == []
+
+
 # -- registration, configuration and the hand-off patch (one child process: importing verl 0.9.1's
 # workers imports vLLM, kept out of the pytest process) -------------------------------------------
 
@@ -122,10 +149,15 @@ def test_the_backend_registers_through_verls_registry_from_the_module_custom_bac
     ("replica_world_size", "replica_world_size must be an integer >= 1"),
     ("expert_placement", "expert_placement must be one of ('linear', 'round_robin')"),
     ("unknown", "unknown key(s) ['replica_size']"),
+    ("fallback_backend", "fallback_backend must be one of ["),
+    ("fallback_kwargs", "fallback_kwargs must be a mapping of the fallback_backend's engine_kwargs (and needs "
+                        "fallback_backend)"),
 ])
 def test_bad_engine_kwargs_are_refused_when_verl_builds_the_engine(checks, key, says):
     err = checks["bad_kwargs"][key]
     assert err.startswith("ValueError: checkpoint_engine.engine_kwargs.ascend_rl_alltoallv") and says in err, err
+    if key == "fallback_backend":       # names what it got and what is excluded
+        assert "got 'ncll'" in err and "'naive'" in err and "'delta_sharded'" in err, err
 
 
 def test_the_patch_hands_the_training_engine_to_a_backend_that_takes_it_and_nothing_else_changes(checks):

@@ -21,7 +21,13 @@ Cases, in order, on both sides: ``reshard`` (then ``again``: the plan comes from
 ``stock_handoff`` (verl's own hand-off without the feature's patch: the HF export, which the
 backend refuses -> the fallback on every rank), ``trainer_refuses`` (trainer rank 2 of 4 cannot
 read its model: every rank falls back), ``rollout_refuses`` (the second rollout rank cannot
-produce its expert map: every rank falls back), ``after`` (a reshard again).
+produce its expert map: every rank falls back), ``after`` (a reshard again). Then, with a second
+engine configured with ``fallback_backend`` (the user's own backend: ``test_gloo_broadcast``, a
+real subclass of verl's ``CheckpointEngine`` registered through verl's registry, defined below --
+every backend verl 0.9.1 ships needs CUDA / cupy, torch_npu, NIXL, Mooncake or the kimi engine,
+or, for ``naive``, trainer and rollout in one process): ``delegated_reshard`` (the reshard runs;
+the fallback's group is built and unused) and ``delegated_refuses`` (trainer rank 2 of 4 refuses:
+every rank hands the whole sync to the fallback backend).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import logging
 ARCH = dict(layers=2, hidden=64, moe_ffn_hidden=32, heads=4, query_groups=2, kv_channels=16, vocab=64, seq_len=8,
             experts=4)
 CASES = ("reshard", "again", "stock_handoff", "trainer_refuses", "rollout_refuses", "after")
+DELEGATED = ("delegated_reshard", "delegated_refuses")
+FALLBACK = "test_gloo_broadcast"
 TRAINERS, ROLLOUTS = 4, 2
 BUCKET = 1 << 14        # 16 KiB buckets: several broadcast buckets and all-to-all rounds per sync
 
@@ -45,24 +53,112 @@ class _Log(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _engine(port: int, is_master: bool, placement: str):
+def _engine(port: int, is_master: bool, placement: str, fallback_port: int | None = None):
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
     from ascend_rl_plugins.features import moe_reshard
     import_external_libs(moe_reshard.BACKEND_MODULE)      # what custom_backend_module makes verl do
     kwargs = dict(replica_world_size=ROLLOUTS, expert_placement=placement, master_address="127.0.0.1")
+    if fallback_port is not None:
+        register_fallback_backend()
+        kwargs.update(fallback_backend=FALLBACK, fallback_kwargs={"timeout_s": 600.0})
     if is_master:
         engine = CheckpointEngineRegistry.new(moe_reshard.BACKEND, is_master=True, bucket_size=BUCKET, **kwargs)
     else:
         engine = CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=BUCKET, **kwargs)
-    meta = engine.prepare() if is_master else {}
-    if is_master:
-        meta = dict(meta, port=port)    # the test's port: both groups must meet without Ray passing it
-    else:
-        meta = {"host": "127.0.0.1", "port": port}
+    meta = engine.prepare()
+    # the test's ports: both process groups must meet without Ray passing trainer rank 0's metadata
+    meta.update(host="127.0.0.1", port=port)
+    if fallback_port is not None:
+        meta["fallback"] = {"host": "127.0.0.1", "port": fallback_port}
     trainers, rollouts = type(engine).build_topology(TRAINERS, ROLLOUTS, [meta] * (TRAINERS + ROLLOUTS))
     return engine, trainers, rollouts
+
+
+def register_fallback_backend():
+    """``test_gloo_broadcast``: the backend a user would otherwise have, for a CPU test -- a real
+    subclass of verl's ``CheckpointEngine``, registered through ``CheckpointEngineRegistry``: one
+    gloo group over every trainer and rollout rank, trainer rank 0 broadcasts the whole export (as
+    verl's nccl / hccl engines do, without their device buffers). Counts what it moved."""
+    from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+    if FALLBACK in CheckpointEngineRegistry._registry:
+        return
+
+    @CheckpointEngineRegistry.register(FALLBACK)
+    class GlooBroadcastEngine(CheckpointEngine):
+        def __init__(self, bucket_size: int, is_master: bool = False, timeout_s: float = 600.0):
+            self.bucket_size, self.is_master, self.timeout_s = bucket_size, is_master, timeout_s
+            self.pg, self.rank, self.moved = None, -1, 0
+
+        def prepare(self):
+            return {"host": "127.0.0.1", "port": 0} if self.is_master else {}
+
+        @classmethod
+        def build_topology(cls, actor_wg_world_size, rollout_world_size, metadata):
+            world = actor_wg_world_size + rollout_world_size
+
+            def side(ranks):
+                return {"rank": list(ranks), "world_size": [world] * len(ranks), "master": [metadata[0]] * len(ranks)}
+            return side(range(actor_wg_world_size)), side(range(actor_wg_world_size, world))
+
+        def init_process_group(self, rank, world_size, master):
+            import datetime
+
+            import torch.distributed as dist
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            self._store = dist.TCPStore(master["host"], int(master["port"]), world_size, rank == 0, timeout=timeout)
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("fallback/", self._store), rank, world_size, timeout)
+            self.rank = rank
+
+        def finalize(self):
+            self.pg = None
+
+        def _broadcast(self, payload: bytes | None) -> bytes:
+            import torch
+            import torch.distributed as dist
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+            self.pg.broadcast([size], opts).wait()
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None else \
+                torch.empty(int(size[0]), dtype=torch.uint8)
+            self.pg.broadcast([data], opts).wait()
+            return data.numpy().tobytes()
+
+        async def send_weights(self, weights, global_steps=None):
+            import io
+
+            import torch
+            named = [(n, t.detach().cpu().contiguous()) for n, t in weights]   # the export: every trainer rank
+            payload = None
+            if self.rank == 0:
+                buf = io.BytesIO()
+                torch.save(named, buf)
+                payload = buf.getvalue()
+                self.moved = len(named)
+            self._broadcast(payload)
+            return {"fallback_tensors": self.moved}
+
+        async def receive_weights(self, global_steps=None):
+            import io
+
+            import torch
+            named = torch.load(io.BytesIO(self._broadcast(None)))
+            self.moved = len(named)
+            for name, tensor in named:
+                yield name, tensor
+
+    return GlooBroadcastEngine
+
+
+def _collect(weights) -> list:
+    """What verl's server adapter would load: (name, tensor) pairs from a plain or async iterator."""
+    if hasattr(weights, "__aiter__"):
+        async def drain():
+            return [(name, t.clone()) async for name, t in weights]
+        return asyncio.run(drain())
+    return [(name, t.clone()) for name, t in weights]
 
 
 def _stock_export(arch) -> dict:
@@ -86,7 +182,7 @@ def _stock_export(arch) -> dict:
     return out
 
 
-def trainer(port: int, moe: str, tp: int, ep: int, etp: int, placement: str) -> dict:
+def trainer(ports: list, moe: str, tp: int, ep: int, etp: int, placement: str) -> dict:
     import faulthandler
     import sys
 
@@ -107,21 +203,25 @@ def trainer(port: int, moe: str, tp: int, ep: int, etp: int, placement: str) -> 
         def export():
             return iter(list(stock.items()))
         source = verl09_backend.TrainingSource([h.model], h.config, export)
-        engine, kwargs, _ = _engine(port, rank == 0, placement)
-        engine.init_process_group(**{k: v[rank] for k, v in kwargs.items()})
-        for case in CASES:
-            forget()
-            handler.lines.clear()
-            given = source
-            if case == "stock_handoff":
-                given = export()                      # verl 0.9.1 without the patch: the HF export
-            elif case == "trainer_refuses" and rank == 2:
-                given = verl09_backend.TrainingSource([h.model], _NoExperts(h.config), export)
-            asyncio.run(engine.send_weights(given))
-            r = engine.last
-            out["cases"][case] = {"resharded": r.resharded, "reason": r.reason, "cached": r.plan_cached,
-                                  "key": r.plan_key, "log": list(handler.lines)}
-        engine.finalize()
+        for engine_ports, cases in (((ports[0], None), CASES), ((ports[1], ports[2]), DELEGATED)):
+            engine, kwargs, _ = _engine(engine_ports[0], rank == 0, placement, engine_ports[1])
+            engine.init_process_group(**{k: v[rank] for k, v in kwargs.items()})
+            for case in cases:
+                forget()
+                handler.lines.clear()
+                given = source
+                if case == "stock_handoff":
+                    given = export()                      # verl 0.9.1 without the patch: the HF export
+                elif case in ("trainer_refuses", "delegated_refuses") and rank == 2:
+                    given = verl09_backend.TrainingSource([h.model], _NoExperts(h.config), export)
+                returned = asyncio.run(engine.send_weights(given))
+                r = engine.last
+                out["cases"][case] = {"resharded": r.resharded, "reason": r.reason, "cached": r.plan_cached,
+                                      "key": r.plan_key, "log": list(handler.lines), "returned": returned,
+                                      "fallback_moved": engine.fallback.moved if engine.fallback else None}
+                if engine.fallback:
+                    engine.fallback.moved = 0
+            engine.finalize()
     return out
 
 
@@ -137,7 +237,7 @@ class _NoExperts:
         return getattr(self._config, name)
 
 
-def rollout(port: int, moe: str, placement: str) -> dict:
+def rollout(ports: list, moe: str, placement: str) -> dict:
     import faulthandler
     import sys
 
@@ -157,33 +257,37 @@ def rollout(port: int, moe: str, placement: str) -> dict:
     stock = _stock_export(arch)
     make = RolloutLayout.linear if placement == "linear" else RolloutLayout.round_robin
     hosted = list(make(ROLLOUTS, 1, arch.experts).expert_maps[local])
-    engine, _, kwargs = _engine(port, False, placement)
-    engine.init_process_group(**{k: v[local] for k, v in kwargs.items()})
     out = {"rank": rank, "hosted": hosted, "cases": {}}
-    for case in CASES:
-        forget()
-        handler.lines.clear()
-        if case == "rollout_refuses" and local == 1:
-            def broken(*_a, **_k):
-                raise RuntimeError("expert map unreadable (injected)")
-            engine.options = _Options(engine.options, broken)
-        got = [(name, t.clone()) for name, t in engine.receive_weights()]
-        if case == "rollout_refuses" and local == 1:
-            engine.options = engine.options.inner
-        names = [n for n, _ in got]
-        expert_ids = sorted({parse_hf_expert_name(n)[1] for n in names if parse_hf_expert_name(n)})
-        r = engine.last
-        out["cases"][case] = {
-            "resharded": r.resharded, "reason": r.reason, "cached": r.plan_cached, "key": r.plan_key,
-            "log": list(handler.lines), "names": len(names), "unique": len(set(names)),
-            "expert_ids": expert_ids, "expert_names": sorted(n for n in names if parse_hf_expert_name(n)),
-            "dense_names": sorted(n for n in names if not parse_hf_expert_name(n)),
-            "wrong": sorted(n for n, t in got if n not in stock or t.dtype != stock[n].dtype
-                            or not torch.equal(t, stock[n])),
-            "from_reshard": len(r.experts), "from_broadcast": len(r.broadcast)}
+    for engine_ports, cases in (((ports[0], None), CASES), ((ports[1], ports[2]), DELEGATED)):
+        engine, _, kwargs = _engine(engine_ports[0], False, placement, engine_ports[1])
+        engine.init_process_group(**{k: v[local] for k, v in kwargs.items()})
+        for case in cases:
+            forget()
+            handler.lines.clear()
+            if case == "rollout_refuses" and local == 1:
+                def broken(*_a, **_k):
+                    raise RuntimeError("expert map unreadable (injected)")
+                engine.options = _Options(engine.options, broken)
+            got = _collect(engine.receive_weights())
+            if case == "rollout_refuses" and local == 1:
+                engine.options = engine.options.inner
+            names = [n for n, _ in got]
+            expert_ids = sorted({parse_hf_expert_name(n)[1] for n in names if parse_hf_expert_name(n)})
+            r = engine.last
+            out["cases"][case] = {
+                "resharded": r.resharded, "reason": r.reason, "cached": r.plan_cached, "key": r.plan_key,
+                "log": list(handler.lines), "names": len(names), "unique": len(set(names)),
+                "expert_ids": expert_ids, "expert_names": sorted(n for n in names if parse_hf_expert_name(n)),
+                "dense_names": sorted(n for n in names if not parse_hf_expert_name(n)),
+                "wrong": sorted(n for n, t in got if n not in stock or t.dtype != stock[n].dtype
+                                or not torch.equal(t, stock[n])),
+                "from_reshard": len(r.experts), "from_broadcast": len(r.broadcast),
+                "fallback_moved": engine.fallback.moved if engine.fallback else None}
+            if engine.fallback:
+                engine.fallback.moved = 0
+        engine.finalize()
     out["stock_dense"] = sorted(n for n in stock if not parse_hf_expert_name(n))
     out["stock_experts"] = len([n for n in stock if parse_hf_expert_name(n)])
-    engine.finalize()
     return out
 
 
@@ -216,7 +320,9 @@ def registry_and_handoff() -> dict:
                 "replica1_rank1_round_robin": list(engine.options.expert_map(5, 8))}
     bad = {}
     for key, kwargs in (("replica_world_size", dict(replica_world_size=0)),
-                        ("expert_placement", dict(expert_placement="random")), ("unknown", dict(replica_size=2))):
+                        ("expert_placement", dict(expert_placement="random")), ("unknown", dict(replica_size=2)),
+                        ("fallback_backend", dict(fallback_backend="ncll")),
+                        ("fallback_kwargs", dict(fallback_kwargs={"group_name": "x"}))):
         try:
             CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=1 << 20, **kwargs)
             bad[key] = "accepted"
