@@ -45,13 +45,13 @@ class _Log(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _engine(port: int, is_master: bool, placement: str):
+def _engine(port: int, is_master: bool, placement: str, trainers: int = TRAINERS, rollouts: int = ROLLOUTS):
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
     from ascend_rl_plugins.features import moe_reshard
     import_external_libs(moe_reshard.BACKEND_MODULE)      # what custom_backend_module makes verl do
-    kwargs = dict(replica_world_size=ROLLOUTS, expert_placement=placement, master_address="127.0.0.1")
+    kwargs = dict(replica_world_size=rollouts, expert_placement=placement, master_address="127.0.0.1")
     if is_master:
         engine = CheckpointEngineRegistry.new(moe_reshard.BACKEND, is_master=True, bucket_size=BUCKET, **kwargs)
     else:
@@ -61,8 +61,8 @@ def _engine(port: int, is_master: bool, placement: str):
         meta = dict(meta, port=port)    # the test's port: both groups must meet without Ray passing it
     else:
         meta = {"host": "127.0.0.1", "port": port}
-    trainers, rollouts = type(engine).build_topology(TRAINERS, ROLLOUTS, [meta] * (TRAINERS + ROLLOUTS))
-    return engine, trainers, rollouts
+    trainer_side, rollout_side = type(engine).build_topology(trainers, rollouts, [meta] * (trainers + rollouts))
+    return engine, trainer_side, rollout_side
 
 
 def _stock_export(arch) -> dict:
