@@ -222,7 +222,25 @@ def registry_and_handoff() -> dict:
             bad[key] = "accepted"
         except Exception as exc:  # noqa: BLE001 -- the test reads the message
             bad[key] = f"{type(exc).__name__}: {exc}"
-    return {"registry": registry, "bad_kwargs": bad, "handoff": _handoff()}
+    return {"registry": registry, "bad_kwargs": bad, "live_map": _live_map(engine), "handoff": _handoff()}
+
+
+def _live_map(engine) -> dict:
+    """The rollout vote with a live reader attached: taken as read, or refused with the reason."""
+    from types import SimpleNamespace
+
+    from ascend_rl_plugins.features.moe_reshard import agreement, verl09_backend
+    engine.link, engine.trainer_world = SimpleNamespace(rank=3), 2     # rollout rank 1 of the group
+    out = {}
+    for case, reader in (("none", None), ("live", lambda: [3, 0, 5]), ("repeats", lambda: (1, 1)),
+                         ("out_of_range", lambda: (0, 8))):
+        engine.live_expert_map = reader
+        report = verl09_backend.SyncReport()
+        vote, why = agreement.attempt("expert map", engine._rollout_vote, 8, report)
+        out[case] = {"map": list(vote.expert_map) if vote else None, "why": why, "source": report.map_source,
+                     "config": list(report.config_map)}
+    engine.link, engine.live_expert_map = None, None
+    return out
 
 
 class _Engine:
