@@ -95,7 +95,11 @@ FEATURE = Feature(
                     "Megatron-Core 0.16.1 MoE models (local layers; SequentialMLP TP2/EP2/ETP2 and GroupedMLP "
                     "EP2 with 2 expert-DP copies) and 2 rollout processes over gloo: each rollout rank "
                     "receives exactly its hosted experts once and every dense tensor, bit-identical to the "
-                    "stock export; one rank of six refusing -> every rank falls back together; verl 0.9.1's "
+                    "stock export; one rank of six refusing -> every rank falls back together; real vLLM 0.23 "
+                    "CPU engines behind 2 rollout ranks (Megatron-Core EP2 trainers): loaded through vLLM's "
+                    "layerwise reload, every parameter and greedy token equal to an engine started on the "
+                    "weights, expert maps read from the live engines at each sync (a sync keyed on the "
+                    "configured map leaves experts stale and changes generations; the live one re-plans); verl 0.9.1's "
                     "real ActorRolloutRefWorker.update_weights hands the backend the training engine with "
                     "the patch. verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
                     "Megatron-Core 0.12.1 MoE model "
@@ -111,8 +115,8 @@ FEATURE = Feature(
         npu="not run: HCCL all-to-all-v speed (the verl 0.9 backend's group is gloo, host buffers), "
             "vLLM-Ascend's w13/w2 transposes after wake-up, MC2 dispatch after an in-place update (README)"),
     stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (verl 0.9.1 checkpoint-engine backend "
-           "from real Megatron-Core shards to rollout processes, no vLLM engine behind it yet; vLLM 0.23 "
-           "engine for the rollout-side loader)")
+           "from real Megatron-Core shards into vLLM 0.23 CPU engines, one per rollout rank, EP 1: vLLM's CPU "
+           "MoE has no expert parallelism)")
 
 VERL06 = ">=0.6,<0.7"
 REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the expert weights its "

@@ -17,7 +17,9 @@ What it does per sync, on every rank of that group together:
 
 1. *Vote* (``agreement.decide`` over this group): each trainer rank reads its layout and local
    expert shards from the training engine (Megatron-Core's ``parallel_state``, the model chunks),
-   each rollout rank its expert map (vLLM's placement rule for its replica, :class:`Options`); any
+   each rollout rank its expert map, read at this sync from the live engine where the engine's
+   holder attached a reader (``live_expert_map``, e.g. ``vllm_side.LiveRollout``), else vLLM's
+   placement rule for its replica (:class:`Options`); any
    reason on any rank -- the trainer was handed an HF export instead of the engine, experts the
    planner cannot read, a layout Megatron numbers differently -- is every rank's reason.
 2. *Plan*: every rank builds the same plan from the gathered votes: training ranks
@@ -345,6 +347,10 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         self.link: Link | None = None
         self.trainer_world = 0
         self.last: SyncReport | None = None
+        # rollout side: reads the experts this rank's live engine hosts, at every sync (set by
+        # whoever holds the engine, e.g. ``vllm_side.LiveRollout.expert_map``); None: vLLM's
+        # placement rule applied to the configuration (Options.expert_map)
+        self.live_expert_map: Callable[[], Any] | None = None
 
     # -- topology ------------------------------------------------------------------------------
     def prepare(self) -> dict:
@@ -453,9 +459,8 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         if not reason:
             mine = vote
             if not trainer:
-                mine, why = agreement.attempt(
-                    "expert map", lambda: RolloutVote(self.options.expert_map(
-                        link.rank - self.trainer_world, first.votes[0].payload.shape.num_experts)))
+                mine, why = agreement.attempt("expert map", self._rollout_vote,
+                                              first.votes[0].payload.shape.num_experts, report)
             second = agreement.decide(agreement.Vote(why, payload=mine), gather=link.all_gather_object)
             reason = second.reason
             if not reason:   # built from gathered data: the same answer (or reason) on every rank
@@ -483,6 +488,23 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         for name, tensor in prepared.stream():
             report.experts.append(name)
             yield name, tensor
+
+    def _rollout_vote(self, num_experts: int, report: "SyncReport") -> RolloutVote:
+        """The experts this rollout rank hosts, read now: from the live engine when a reader is
+        attached (EPLB may have moved experts since the last sync; a plan keyed on a stale map
+        would load experts into the wrong slots, verl #7086), else vLLM's placement rule for the
+        configured replica."""
+        rank = self.link.rank - self.trainer_world
+        report.config_map = tuple(self.options.expert_map(rank, num_experts))
+        if self.live_expert_map is None:
+            report.map_source, hosted = "config", report.config_map
+        else:
+            report.map_source, hosted = "live", tuple(int(e) for e in self.live_expert_map())
+            if not hosted or len(set(hosted)) != len(hosted) or not all(0 <= e < num_experts for e in hosted):
+                raise PlanError(f"the live engine's expert map {list(hosted)} is not a set of distinct expert ids "
+                                f"in [0, {num_experts})")
+        report.expert_map = hosted
+        return RolloutVote(hosted)
 
     def _dense(self, weights: Callable[[], Iterator] | None, report: "SyncReport"):
         """Broadcast from trainer rank 0 in buckets: every trainer rank runs the export (it is
@@ -530,13 +552,17 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
 class SyncReport:
     """What the last sync did on this rank (tests and logs read it): whether the experts were
     resharded (else ``reason``), the plan's key and whether it came from the cache, the expert
-    tensors received from the reshard and the tensors received by broadcast, by name."""
+    tensors received from the reshard and the tensors received by broadcast, by name; on rollout
+    ranks, where the expert map came from."""
     resharded: bool = False
     reason: str = ""
     plan_key: str = ""
     plan_cached: bool = False
     experts: list = dataclasses.field(default_factory=list)
     broadcast: list = dataclasses.field(default_factory=list)
+    map_source: str = ""             # rollout ranks: "live" (read from the engine) or "config" (placement rule)
+    expert_map: tuple = ()           # rollout ranks: the experts this rank voted it hosts
+    config_map: tuple = ()           # rollout ranks: what the placement rule says it hosts
 
 
 def _source_of(weights) -> tuple[TrainingSource | None, str]:

@@ -210,3 +210,41 @@ def reload_session(model, vllm_config) -> Iterator[None]:
         return
     yield
     post_load_process(model, vllm_config)
+
+
+@dataclass
+class LiveRollout:
+    """One rollout rank's live vLLM model, as the verl 0.9 backend's rollout side uses it: the
+    experts it hosts read from its ``FusedMoE`` layers at each sync (never from the
+    configuration: EPLB may have moved them), and a received stream loaded in place through
+    vLLM's own loader (``model.load_weights`` inside :func:`reload_session`, so that the
+    platform's post-load processing runs once per update).
+
+    ``of_runner`` takes vLLM's GPU/CPU model runner (``worker.model_runner``)."""
+    model: object
+    vllm_config: object
+
+    @classmethod
+    def of_runner(cls, runner) -> "LiveRollout":
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        return cls(model, runner.vllm_config)
+
+    def expert_map(self) -> tuple[int, ...]:
+        hosted = local_expert_map(self.model)
+        if hosted is None:
+            raise ValueError("the rollout model has no FusedMoE layers")
+        return hosted
+
+    def load(self, weights) -> int:
+        """Load every ``(name, tensor)`` of ``weights`` (consumed lazily: a backend's receive
+        stream runs its collectives as it is read); returns how many tensors were loaded."""
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+        with reload_session(self.model, self.vllm_config):
+            self.model.load_weights(counted())
+        return count

@@ -170,3 +170,15 @@ def test_the_patch_hands_the_training_engine_to_a_backend_that_takes_it_and_noth
     assert h["taker"] == "engine" and h["taker_returns"] == {"sent": 1}
     assert h["other"] == "export" and h["naive_untouched"]
     assert h["reverted"] == "export"
+
+
+def test_a_rollout_rank_votes_the_live_engines_map_when_a_reader_is_attached(checks):
+    """Without a reader the configured rule (round-robin, replicas of 4: rank 1 hosts 1 and 5);
+    with one, what the engine says, in its slot order; a map that is not distinct ids in range
+    is a refusal with the reason (every rank then falls back together)."""
+    m = checks["live_map"]
+    assert m["none"] == {"map": [1, 5], "why": "", "source": "config", "config": [1, 5]}
+    assert m["live"] == {"map": [3, 0, 5], "why": "", "source": "live", "config": [1, 5]}
+    for case, got in (("repeats", "[1, 1]"), ("out_of_range", "[0, 8]")):
+        assert m[case]["map"] is None and m[case]["why"] == (
+            f"expert map: the live engine's expert map {got} is not a set of distinct expert ids in [0, 8)")

@@ -53,13 +53,14 @@ class _Log(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _engine(port: int, is_master: bool, placement: str, fallback_port: int | None = None):
+def _engine(port: int, is_master: bool, placement: str, fallback_port: int | None = None,
+            trainers: int = TRAINERS, rollouts: int = ROLLOUTS):
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
 
     from ascend_rl_plugins.features import moe_reshard
     import_external_libs(moe_reshard.BACKEND_MODULE)      # what custom_backend_module makes verl do
-    kwargs = dict(replica_world_size=ROLLOUTS, expert_placement=placement, master_address="127.0.0.1")
+    kwargs = dict(replica_world_size=rollouts, expert_placement=placement, master_address="127.0.0.1")
     if fallback_port is not None:
         register_fallback_backend()
         kwargs.update(fallback_backend=FALLBACK, fallback_kwargs={"timeout_s": 600.0})
@@ -72,8 +73,8 @@ def _engine(port: int, is_master: bool, placement: str, fallback_port: int | Non
     meta.update(host="127.0.0.1", port=port)
     if fallback_port is not None:
         meta["fallback"] = {"host": "127.0.0.1", "port": fallback_port}
-    trainers, rollouts = type(engine).build_topology(TRAINERS, ROLLOUTS, [meta] * (TRAINERS + ROLLOUTS))
-    return engine, trainers, rollouts
+    trainer_side, rollout_side = type(engine).build_topology(trainers, rollouts, [meta] * (trainers + rollouts))
+    return engine, trainer_side, rollout_side
 
 
 def register_fallback_backend():
@@ -328,7 +329,25 @@ def registry_and_handoff() -> dict:
             bad[key] = "accepted"
         except Exception as exc:  # noqa: BLE001 -- the test reads the message
             bad[key] = f"{type(exc).__name__}: {exc}"
-    return {"registry": registry, "bad_kwargs": bad, "handoff": _handoff()}
+    return {"registry": registry, "bad_kwargs": bad, "live_map": _live_map(engine), "handoff": _handoff()}
+
+
+def _live_map(engine) -> dict:
+    """The rollout vote with a live reader attached: taken as read, or refused with the reason."""
+    from types import SimpleNamespace
+
+    from ascend_rl_plugins.features.moe_reshard import agreement, verl09_backend
+    engine.link, engine.trainer_world = SimpleNamespace(rank=3), 2     # rollout rank 1 of the group
+    out = {}
+    for case, reader in (("none", None), ("live", lambda: [3, 0, 5]), ("repeats", lambda: (1, 1)),
+                         ("out_of_range", lambda: (0, 8))):
+        engine.live_expert_map = reader
+        report = verl09_backend.SyncReport()
+        vote, why = agreement.attempt("expert map", engine._rollout_vote, 8, report)
+        out[case] = {"map": list(vote.expert_map) if vote else None, "why": why, "source": report.map_source,
+                     "config": list(report.config_map)}
+    engine.link, engine.live_expert_map = None, None
+    return out
 
 
 class _Engine:
