@@ -103,7 +103,7 @@ def _planned_client(**policy_args):
     client = MigratingClient({"A": object(), "B": object()}, kv_migration.KVExportStore("/nonexistent"),
                              policy=policy)
     for i in range(6):
-        client.in_flight[f"r{i}"] = InFlight(f"r{i}", "A", 20, 4 + i, 64, movable=i != 0)
+        client.in_flight[f"r{i}"] = InFlight(f"r{i}", "A", 20, 4 + i, 64, movable=i != 5)
     return client, policy, clock
 
 
@@ -115,14 +115,15 @@ def _progress(client, request_id, replica="A"):
 
 def test_planned_policy_moves_the_planned_requests_once_each():
     client, policy, clock = _planned_client()
-    # least generated = most expected remaining (64 - generated): r0 and r1 are planned to B;
-    # r0 is refused (counts as load, skipped), r1 moves
+    # every expectation is the max_tokens (no estimate): the planner ranks by what ran (the
+    # survival rule), so the longest-running r5 and r4 are planned to B; r5 is refused (counts
+    # as load, skipped), r4 moves
     answers = {rid: policy(_progress(client, rid)) for rid in client.in_flight}
     assert policy.rounds == 1 and policy.planned == 2 and policy.skipped_unmovable == 1, answers
-    assert answers == {"r0": None, "r1": "B", "r2": None, "r3": None, "r4": None, "r5": None}
+    assert answers == {"r0": None, "r1": None, "r2": None, "r3": None, "r4": "B", "r5": None}
     assert policy.started == 1
-    assert policy(_progress(client, "r1")) is None   # a move is made once
-    client.in_flight["r1"].replica = "B"
+    assert policy(_progress(client, "r4")) is None   # a move is made once
+    client.in_flight["r4"].replica = "B"
     clock[0] = 0.5
     assert policy(_progress(client, "r0")) is None and policy.rounds == 1   # within the interval
     clock[0] = 1.0
@@ -133,8 +134,8 @@ def test_planned_policy_moves_the_planned_requests_once_each():
 def test_planned_policy_skips_a_move_whose_request_left_its_source():
     client, policy, _ = _planned_client()
     policy(_progress(client, "r0"))
-    assert set(policy._pending) == {"r1"}
-    assert policy(_progress(client, "r1", replica="B")) is None and policy.started == 0
+    assert set(policy._pending) == {"r4"}
+    assert policy(_progress(client, "r4", replica="B")) is None and policy.started == 0
 
 
 def test_planned_policy_and_flags_reject_bad_input():

@@ -82,3 +82,32 @@ def test_the_replicas_step_is_the_planners_step_model():
         r._start(rid, 100)
     expected_ms = sim.step_model.step_ms(len(r.running), r.context())
     assert r.seconds(1) == pytest.approx(expected_ms / 1000)
+
+
+def test_the_simulated_controller_does_only_what_the_shipped_client_can():
+    """The table's migration is migration_client.PlannedMigration's: it cannot tell a queued
+    request from a running one (no queued list, nothing moved while it waits, every move
+    exports KV) and expects each request's max_tokens. The what-if controller ('full', not
+    shipped) also moves queued requests without KV; an unknown controller is refused."""
+    w = SMALL["qwen3-235b-32k-grpo"]
+    migrating = replace(DEFAULTS, **bench.WITH_MIGRATION)
+    client = bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY)
+    sim = bench.Simulation(w, client)
+    seen_queued = []
+    plan = client.views
+
+    def views(s):
+        out = plan(s)
+        seen_queued.extend(r for v in out for r in v.queued)
+        assert all(r.expected_response_tokens == w.max_response for v in out for r in v.running)
+        return out
+
+    client.views = views
+    sim.run_batch(bench.make_batches(w)[0], 0.0)
+    assert sim.tally.preempted > 0  # there were queued requests to see
+    assert seen_queued == [] and sim.tally.moved == sim.tally.moved_kv > 0
+    _, full, _ = bench.simulate(w, lambda: bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY,
+                                                             controller="full"))
+    assert full.moved > full.moved_kv  # queued requests moved, without KV
+    with pytest.raises(ValueError, match="controller='oracle'.*client, full"):
+        bench.ThisRouter(DEFAULTS, controller="oracle")

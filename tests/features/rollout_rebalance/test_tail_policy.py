@@ -58,6 +58,19 @@ def test_queued_requests_go_to_a_replica_with_room():
 def test_expected_remaining_is_floored_by_what_ran_and_capped_by_the_maximum():
     assert tp.expected_remaining(_req("r", 3000, 2000), 32768, survival=1.0) == 3000
     assert tp.expected_remaining(_req("r", 1000, 9000), 32768, survival=1.0) == 8000
+
+
+def test_an_expectation_at_the_cap_is_no_estimate_and_the_long_running_request_moves():
+    """What the live client passes without the router's estimate (each request's max_tokens)
+    carries no information: the survival rule ranks requests by what they ran, so the request
+    that has run longest is the one that moves, not the youngest."""
+    assert tp.expected_remaining(_req("r", 1000, 32768), 32768, survival=1.0) == 1000
+    assert tp.expected_remaining(_req("r", 0, 32768), 32768, survival=1.0) == 1
+    assert tp.expected_remaining(_req("r", 20000, 40000), 32768, survival=1.0) == 12768
+    heavy = [_req("old", generated=12000, expected=32768)] + [
+        _req(f"young{i}", 50, 32768) for i in range(120)]
+    moves = tp.plan_moves([_replica("a", heavy), _replica("b")], STEP, FAST_LINK, max_response_tokens=32768)
+    assert moves and moves[0].request_id == "old" and moves[0].method == "kv"
     assert tp.expected_remaining(_req("r", 30000, 9000), 32768, survival=1.0) == 2768
 
 
