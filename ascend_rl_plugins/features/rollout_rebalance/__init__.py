@@ -55,8 +55,8 @@ LOG = flags.define(
 
 FEATURE = Feature("rollout_rebalance",
                   "rollout long tail: verl 0.9 router via router_config_path and KV migration between its "
-                  "replicas through a vLLM KV connector (off by default; main_ppo not wired); KV "
-                  "migration between DP ranks (verl 0.6)",
+                  "replicas through a vLLM KV connector (off by default; main_ppo via "
+                  "agent_loop_manager_class); KV migration between DP ranks (verl 0.6)",
                   flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
@@ -65,7 +65,9 @@ FEATURE = Feature("rollout_rebalance",
                                   "loaded by verl 0.9.1's router_config_path loader and driven "
                                   "by its LLMServerClient (Ray local); tail migration with KV "
                                   "between vLLM 0.23 AsyncLLM replicas through the KV "
-                                  "connector, forced and planned (tail_policy) moves",
+                                  "connector, forced and planned (tail_policy) moves; planned "
+                                  "moves in verl 0.9.1's rollout created as its trainer creates "
+                                  "it from the printed config lines",
                       doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
                               "generate) and a vLLM /metrics exposition double",
                       static="verl 0.9.1 async-server notice hook resolved in its source"),
@@ -239,7 +241,10 @@ FEATURE.applies_through(
     dist="verl", versions=">=0.9,<0.10", point="verl's router plug-in (rollout.router_config_path)",
     how=lambda: (f"add `{router_config_line()}` (or print it: `ascend-rl router`); the router "
                  f"routes by expected work and KV room with a shared longest-first queue "
-                 f"(README, section verl 0.9). The in-process rebalance hooks never run there."))
+                 f"(README, section verl 0.9). Tail migration with KV (off by default): export "
+                 f"ASCEND_RL_ROLLOUT_MIGRATION=planned and add the lines `ascend-rl router "
+                 f"--migration` prints: " + " ".join(migration_config_lines()[1:]) + ". The "
+                 f"in-process rebalance hooks never run there."))
 
 def register_cli(subparsers) -> None:
     """``ascend-rl router``: the verl 0.9 config line that loads the router."""
@@ -259,7 +264,7 @@ def register_cli(subparsers) -> None:
         if args.path:
             print(path)
         elif args.migration:
-            print(" \\\n".join(migration_config_lines()))
+            print("\n".join(migration_config_lines()))
         else:
             print(router_config_line())
         return 0

@@ -74,16 +74,19 @@ def store_dir_from_config(config) -> str:
     return str(connector["kv_connector_extra_config"][STORE_DIR_KEY])
 
 
-def migrating_client(config, llm_client: Any, policy: Any = None):
-    """The client the agent loop gets: ``llm_client`` itself with migration off, else a
-    :class:`.verl_client.MigratingLLMServerClient` on the same router. ValueError (naming the
-    flag and what to change) where the flag is on but the setup cannot migrate."""
+def migrating_client(config, llm_client: Any, policy: Any = "flags"):
+    """The client the agent loop gets: ``llm_client`` itself with migration off (``policy``
+    None), else a :class:`.verl_client.MigratingLLMServerClient` on the same router. ``policy``:
+    a ``PlannedMigration``, None, or ``"flags"`` (``ASCEND_RL_ROLLOUT_MIGRATION`` and its flags
+    decide). ValueError (naming the flag and what to change) where migration is on but the
+    setup cannot migrate."""
     from verl.workers.rollout.llm_server import LLMServerClient
 
     from . import router_yaml_path
-    from .migration_client import policy_from_flags
+    from .migration_client import FROM_FLAGS, policy_from_flags
     from .verl_client import MigratingLLMServerClient
-    policy = policy if policy is not None else policy_from_flags()
+    if policy == FROM_FLAGS:
+        policy = policy_from_flags()
     if policy is None:
         log.info("ascend-rl migration: ASCEND_RL_ROLLOUT_MIGRATION=off, verl's rollout client "
                  "unchanged")
