@@ -45,7 +45,13 @@ from uuid import uuid4
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from .kv_migration import DEFAULT_STORE_DIR, KVExportStore, MigrationParams, new_key
-from .migration_client import InFlight, PlannedMigration, ReplicaCapacity, check_migratable, replica_capacity
+from .migration_client import (
+    InFlight,
+    PlannedMigration,
+    ReplicaCapacity,
+    check_migratable,
+    replica_capacity,
+)
 
 log = logging.getLogger("ascend_rl_plugins")
 
@@ -118,6 +124,14 @@ def progress_on_server(server) -> ServerProgress:
         for state in states if state.parent_req is None))
 
 
+@dataclass(frozen=True)
+class CurrentHop:
+    """The hop a request of this client runs now."""
+
+    hop_id: str            # its id at the server (what progress_on_server reports)
+    tokens_before: int     # tokens the request received in earlier hops
+
+
 @dataclass
 class MoveRecord:
     """One planned move this client carried out (what a test checks the planner saw)."""
@@ -169,7 +183,7 @@ class MigratingLLMServerClient(LLMServerClient):
         self.dead: set[str] = set()
         self.stats = MigrationStats()
         self._own: dict[str, InFlight] = {}        # this client's movable requests in flight
-        self._hop: dict[str, tuple] = {}           # request id -> (hop id, tokens before the hop)
+        self._hop: dict[str, CurrentHop] = {}      # request id -> the hop it runs now
         self._foreign: dict[str, InFlight] = {}    # other requests on the replicas, last read
         self._orders: dict[str, MoveRecord] = {}   # request id -> the move its aborted hop makes
         self._planner: asyncio.Task | None = None
@@ -288,15 +302,15 @@ class MigratingLLMServerClient(LLMServerClient):
         reads = await asyncio.gather(*(self.replicas[s].__ray_call__.remote(progress_on_server)
                                        for s in live), return_exceptions=True)
         progress = {s: r for s, r in zip(live, reads) if isinstance(r, ServerProgress)}
-        mine = {hop_id: (request_id, before) for request_id, (hop_id, before) in self._hop.items()}
+        mine = {hop.hop_id: (request_id, hop) for request_id, hop in self._hop.items()}
         foreign = {}
         for server_id, read in progress.items():
             for q in read.requests:
                 if q.hop_id in mine:
-                    request_id, before = mine[q.hop_id]
+                    request_id, hop = mine[q.hop_id]
                     record = self._own.get(request_id)
                     if record is not None and record.replica == server_id:
-                        record.generated = before + q.generated
+                        record.generated = hop.tokens_before + q.generated
                 else:
                     foreign[q.hop_id] = InFlight(q.hop_id, server_id, q.prompt_tokens, q.generated,
                                                  q.max_tokens or q.generated + 1, movable=False)
@@ -313,13 +327,13 @@ class MigratingLLMServerClient(LLMServerClient):
             if (record is None or hop is None or not record.movable or record.replica != m.source
                     or m.request_id in self._orders or record.max_tokens - record.generated <= 1):
                 continue
-            self._orders[m.request_id] = MoveRecord(m.request_id, m.source, m.destination, hop[1],
-                                                    record.generated)
+            self._orders[m.request_id] = MoveRecord(m.request_id, m.source, m.destination,
+                                                    hop.tokens_before, record.generated)
             policy.started += 1
             self.stats.ordered += 1
             ordered.append(m)
             try:
-                await self.replicas[m.source].__ray_call__.remote(_abort_on_server, hop[0])
+                await self.replicas[m.source].__ray_call__.remote(_abort_on_server, hop.hop_id)
             except Exception as exc:  # noqa: BLE001 - the source died: its hop fails over by itself
                 log.warning("ascend-rl migration: abort of %s at %s: %s", m.request_id, m.source, exc)
         return ordered
@@ -352,7 +366,7 @@ class MigratingLLMServerClient(LLMServerClient):
             hop_id = uuid4().hex
             export_key = new_key()
             record.replica, record.generated = replica, len(tokens)
-            self._hop[request_id] = (hop_id, len(tokens))
+            self._hop[request_id] = CurrentHop(hop_id, len(tokens))
             if load_key is not None:
                 self.stats.loads += 1
             call = server.generate.remote(
