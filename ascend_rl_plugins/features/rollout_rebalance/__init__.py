@@ -55,8 +55,8 @@ LOG = flags.define(
 
 FEATURE = Feature("rollout_rebalance",
                   "rollout long tail: verl 0.9 router via router_config_path and KV migration between its "
-                  "replicas through a vLLM KV connector (off by default; main_ppo not wired); KV "
-                  "migration between DP ranks (verl 0.6)",
+                  "replicas through a vLLM KV connector (off by default; main_ppo via "
+                  "agent_loop_manager_class); KV migration between DP ranks (verl 0.6)",
                   flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
@@ -65,7 +65,9 @@ FEATURE = Feature("rollout_rebalance",
                                   "loaded by verl 0.9.1's router_config_path loader and driven "
                                   "by its LLMServerClient (Ray local); tail migration with KV "
                                   "between vLLM 0.23 AsyncLLM replicas through the KV "
-                                  "connector, forced and planned (tail_policy) moves",
+                                  "connector, forced and planned (tail_policy) moves; planned "
+                                  "moves in verl 0.9.1's rollout created as its trainer creates "
+                                  "it from the printed config lines",
                       doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
                               "generate) and a vLLM /metrics exposition double",
                       static="verl 0.9.1 async-server notice hook resolved in its source"),
@@ -169,16 +171,29 @@ ROUTER_METRICS_INTERVAL = flags.define(
     "metrics_interval_s.", minimum=0.05, maximum=60, feature="rollout_rebalance")
 MIGRATION = flags.define(
     "ASCEND_RL_ROLLOUT_MIGRATION", "enum", "off",
-    "Tail migration between vLLM 0.23 replicas (migration_client.MigratingClient): 'off' (no "
-    "request moves) or 'planned' (every ASCEND_RL_ROLLOUT_MIGRATION_INTERVAL s, "
-    "tail_policy.plan_moves on the client's in-flight requests; its running-request moves "
-    "run with their KV). Off by default: the planner's cost figures are uncalibrated.",
+    "Tail migration with KV between vLLM 0.23 replicas: 'off' (no request moves) or 'planned' "
+    "(every ASCEND_RL_ROLLOUT_MIGRATION_INTERVAL s, tail_policy.plan_moves on the requests in "
+    "flight; its running-request moves run with their KV). On verl 0.9 it takes effect through "
+    "the agent-loop manager and connector lines `ascend-rl router --migration` prints. Off by "
+    "default: the planner's cost figures are uncalibrated.",
     choices=("off", "planned"), feature="rollout_rebalance")
 MIGRATION_INTERVAL = flags.define(
     "ASCEND_RL_ROLLOUT_MIGRATION_INTERVAL", "float", 2.0,
-    "Seconds between two migration plans of the planned policy (each plan reads only the "
-    "client's own bookkeeping; moves wait for the request's next output).", minimum=0.01,
+    "Seconds between two migration plans of the planned policy (verl 0.9: each plan reads "
+    "every replica's requests and their tokens so far, one Ray call per replica; "
+    "MigratingClient: its own bookkeeping, moves at the request's next output).", minimum=0.01,
     maximum=600, feature="rollout_rebalance")
+MIGRATION_STEP_MS = flags.define(
+    "ASCEND_RL_ROLLOUT_MIGRATION_STEP_MS", "str", "",
+    "The planned policy's decode step time of one replica by batch size, as batch:ms pairs "
+    "(e.g. '1:10,8:80'; linear between, flat beyond); empty: the uncalibrated fit to the Qwen3 "
+    "RL recipe's TPOT figures (graph ladder 4-64, attention over the KV held). Calibrate it "
+    "for your replicas: the planner moves a request only where the step-time difference it "
+    "predicts pays for the move.", feature="rollout_rebalance")
+MIGRATION_MARGIN = flags.define(
+    "ASCEND_RL_ROLLOUT_MIGRATION_MARGIN", "float", 1.0,
+    "Seconds a planned move must gain beyond its own cost (tail_policy.TailSettings.margin_s).",
+    minimum=0.0, maximum=600, feature="rollout_rebalance")
 ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_KV_RESERVE, ROUTER_SLOTS,
                 ROUTER_LOAD,
                 ROUTER_METRICS_INTERVAL)
@@ -198,17 +213,47 @@ def router_config_line() -> str:
             f"actor_rollout_ref.rollout.disable_log_stats=False")
 
 
+MANAGER_FQN = "ascend_rl_plugins.features.rollout_rebalance.verl_manager.MigratingAgentLoopManager"
+
+
+def _hydra_value(value) -> str:
+    """A dict as a Hydra override value (``{key:value,...}``; values here are plain words and paths)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def connector_config_line(store_dir: str | None = None) -> str:
+    """The verl 0.9 override that loads the migration KV connector into every vLLM server."""
+    from .connector_config import kv_transfer_config
+    return ("+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_transfer_config="
+            + _hydra_value(kv_transfer_config(store_dir)))
+
+
+def migration_config_lines(store_dir: str | None = None) -> list[str]:
+    """Everything a verl 0.9 ``main_ppo`` run adds for tail migration (with the flag)."""
+    return [router_config_line(),
+            f"+actor_rollout_ref.rollout.agent.agent_loop_manager_class={MANAGER_FQN}",
+            connector_config_line(store_dir)]
+
+
 FEATURE.applies_through(
     dist="verl", versions=">=0.9,<0.10", point="verl's router plug-in (rollout.router_config_path)",
     how=lambda: (f"add `{router_config_line()}` (or print it: `ascend-rl router`); the router "
                  f"routes by expected work and KV room with a shared longest-first queue "
-                 f"(README, section verl 0.9). The in-process rebalance hooks never run there."))
+                 f"(README, section verl 0.9). Tail migration with KV (off by default): export "
+                 f"ASCEND_RL_ROLLOUT_MIGRATION=planned and add the lines `ascend-rl router "
+                 f"--migration` prints: " + " ".join(migration_config_lines()[1:]) + ". The "
+                 f"in-process rebalance hooks never run there."))
 
 def register_cli(subparsers) -> None:
     """``ascend-rl router``: the verl 0.9 config line that loads the router."""
     p = subparsers.add_parser("router", help="print the verl 0.9 config overrides that load the "
                                              "rollout router (rollout_rebalance)")
     p.add_argument("--path", action="store_true", help="print only the router YAML's path")
+    p.add_argument("--migration", action="store_true",
+                   help="also print the lines for tail migration with KV (agent-loop manager, KV "
+                        "connector); export ASCEND_RL_ROLLOUT_MIGRATION=planned with them")
 
     def run(args) -> int:
         import os
@@ -216,7 +261,12 @@ def register_cli(subparsers) -> None:
         if not os.path.isfile(path):
             print(f"ascend-rl router: {path} is missing from this installation", flush=True)
             return 1
-        print(path if args.path else router_config_line())
+        if args.path:
+            print(path)
+        elif args.migration:
+            print("\n".join(migration_config_lines()))
+        else:
+            print(router_config_line())
         return 0
     p.set_defaults(func=run)
 

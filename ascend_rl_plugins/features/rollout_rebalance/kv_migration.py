@@ -57,6 +57,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from .connector_config import (  # noqa: F401 - the connector's config, re-exported here
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    DEFAULT_STORE_DIR,
+    STORE_DIR_KEY,
+    kv_transfer_config,
+)
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -67,10 +75,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ascend_rl_plugins")
 
 PARAMS_KEY = "ascend_rl_migration"
-CONNECTOR_CLASS = "MigrationKVConnector"
-STORE_DIR_KEY = "store_dir"
-DEFAULT_STORE_DIR = "/dev/shm/ascend-rl-kv-migration" if os.path.isdir("/dev/shm") else \
-    os.path.join(tempfile.gettempdir(), "ascend-rl-kv-migration")
 
 
 # -- what a request carries -------------------------------------------------------------------
@@ -198,17 +202,6 @@ class KVExportStore:
     def keys(self) -> list[str]:
         return sorted(n[:-5] for n in os.listdir(self.directory)
                       if n.endswith(".json") and not n.startswith("."))
-
-
-def kv_transfer_config(store_dir: str = DEFAULT_STORE_DIR, *, connector_class: str = CONNECTOR_CLASS,
-                       module: str = __name__) -> dict:
-    """The ``kv_transfer_config`` to give every replica (``AsyncEngineArgs(kv_transfer_config=
-    ...)``, ``vllm serve --kv-transfer-config '<json>'``, or verl's
-    ``rollout.engine_kwargs.vllm.kv_transfer_config``). ``connector_class`` / ``module`` name a
-    subclass (tests inject faults that way)."""
-    return {"kv_connector": connector_class, "kv_connector_module_path": module,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {STORE_DIR_KEY: store_dir}}
 
 
 # -- connector metadata (scheduler -> worker, once per step) -------------------------------------

@@ -243,14 +243,34 @@ class PlannedMigration:
         return move.destination
 
 
+def step_model_from_text(text: str, name: str = "ASCEND_RL_ROLLOUT_MIGRATION_STEP_MS"
+                         ) -> tail_policy.StepCostModel:
+    """``"batch:ms,batch:ms,..."`` (a replica's decode step time by batch size, no graph
+    padding, no attention term) as a step model; empty: the uncalibrated default. A bad value
+    raises ValueError naming ``name`` and the accepted form."""
+    if not text.strip():
+        return tail_policy.UNCALIBRATED_STEP
+    try:
+        pairs = tuple((int(b), float(ms)) for b, ms in
+                      (item.split(":") for item in text.split(",") if item.strip()))
+        return tail_policy.StepCostModel(pairs, attention_ms_per_token=0.0)
+    except ValueError as exc:
+        raise ValueError(f"{name}={text!r}: accepted comma-separated batch:milliseconds pairs in "
+                         f"ascending batch order, e.g. '1:10,8:80' (empty: the uncalibrated "
+                         f"default), {exc}") from None
+
+
 def policy_from_flags(rollout_migration: str | None = None, interval_s: float | None = None):
-    """The policy ``ASCEND_RL_ROLLOUT_MIGRATION`` (off | planned) and its interval select."""
-    from . import MIGRATION, MIGRATION_INTERVAL
+    """The policy ``ASCEND_RL_ROLLOUT_MIGRATION`` (off | planned) selects, with its interval,
+    step model and margin flags."""
+    from . import MIGRATION, MIGRATION_INTERVAL, MIGRATION_MARGIN, MIGRATION_STEP_MS
     choice = MIGRATION.value if rollout_migration is None else rollout_migration
     if choice == "off":
         return None
     if choice == "planned":
-        return PlannedMigration(MIGRATION_INTERVAL.value if interval_s is None else interval_s)
+        return PlannedMigration(MIGRATION_INTERVAL.value if interval_s is None else interval_s,
+                                step=step_model_from_text(MIGRATION_STEP_MS.value),
+                                settings=tail_policy.TailSettings(margin_s=MIGRATION_MARGIN.value))
     raise ValueError(f"ASCEND_RL_ROLLOUT_MIGRATION={choice!r}: accepted off, planned")
 
 

@@ -212,6 +212,19 @@ class ExpectedWorkRouter:
             self._handles.pop(server_id, None)
             self._policy.remove_replica(server_id)
 
+    # -- tail migration (not verl's protocol: MigratingLLMServerClient calls these) ----------
+    def get_server_handles(self) -> dict[str, Any]:
+        """Server id -> server actor handle: the replicas a migrating client may move to."""
+        return dict(self._handles)
+
+    def move_request(self, request_id: str, source: str, destination: str) -> bool:
+        """A migrating client moved ``request_id``: its load follows it (the source gets room,
+        the queue is dispatched); the client releases it on ``destination``."""
+        moved = self._policy.move(request_id, source, destination)
+        if moved:
+            self._hand_out(self._policy.dispatch(time.monotonic()))
+        return moved
+
     def get_all_servers(self) -> list[str]:
         return list(self._policy.replicas)
 

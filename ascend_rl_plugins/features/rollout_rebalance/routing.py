@@ -241,6 +241,28 @@ class RoutingPolicy:
         if start is not None:
             self.lengths.observe(start[1], now - start[0])
 
+    def move(self, request_id: str, source: str, destination: str) -> bool:
+        """A request in flight now runs on ``destination`` (tail migration moved it): its
+        expected tokens, its group's sibling count and its sticky entry follow it, so the
+        source's room and a later turn's replica are right. False (nothing changed) where
+        ``source`` does not hold it or ``destination`` is unknown."""
+        src, dst = self.replicas.get(source), self.replicas.get(destination)
+        if src is None or dst is None or request_id not in src.inflight or source == destination:
+            return False
+        expected = src.inflight.pop(request_id)
+        src.expected_tokens = src.expected_tokens - expected if src.inflight else 0.0
+        dst.inflight[request_id] = expected
+        dst.expected_tokens += expected
+        start = self._started.get(request_id)
+        if start is not None:
+            src.groups[start[1]] -= 1
+            if src.groups[start[1]] <= 0:
+                del src.groups[start[1]]
+            dst.groups[start[1]] += 1
+        if request_id in self.sticky:
+            self.sticky[request_id] = destination
+        return True
+
     def dispatch(self, now: float) -> list[Dispatch]:
         """Bind queued requests, in queue order, while some replica has room for the next."""
         out = []
