@@ -29,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import time
 from dataclasses import dataclass, field
+
+from tests.support.phases import PhaseClock
 
 PROMPT_LENGTHS = (5, 20, 37, 50)   # block size 16: moves land inside and across blocks
 MAX_TOKENS = 24
@@ -185,39 +186,31 @@ async def _reset_prefix_caches(*engines) -> None:
 
 async def _all_runs(model_dir: str, store_dir: str) -> MigrationRuns:
     from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
-    seconds = {}
-    clock = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[phase] = round(now - clock, 2)
-        clock = now
-
+    clock = PhaseClock()
     store, a, b = _store_and_two_replicas(model_dir, store_dir)
     c = _engine(model_dir, "DyingOnLoadConnector",
                 "tests.features.rollout_rebalance.kv_migration_faults", store_dir)
-    lap("start three engines")
+    clock.lap("start three engines")
     try:
         n = len(PROMPT_LENGTHS)
         ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
                          ["A" if i % 2 == 0 else "B" for i in range(n)])
-        lap("reference")
+        clock.lap("reference")
         await _reset_prefix_caches(a, b)
         moved = await _run(MigratingClient({"A": a, "B": b}, store,
                                            policy=ForcedMigration(after_tokens=8, max_moves=2)),
                            "moved", ["A"] * n)
-        lap("moved A->B->A")
+        clock.lap("moved A->B->A")
         await _reset_prefix_caches(a, b)
         planned_ref, planned = await _planned_runs(a, b, store)
-        lap("planned (reference and planned)")
+        clock.lap("planned (reference and planned)")
         dies = await _run(MigratingClient({"A": a, "C": c}, store,
                                           policy=ForcedMigration(after_tokens=8, max_moves=1)),
                           "dies", ["A"] * n)
-        lap("destination dies")
+        clock.lap("destination dies")
         return MigrationRuns(reference=ref, moved=moved, planned_reference=planned_ref, planned=planned,
                              destination_dies=dies, c_errored=bool(c.errored),
-                             a_errored=bool(a.errored), b_errored=bool(b.errored), seconds=seconds)
+                             a_errored=bool(a.errored), b_errored=bool(b.errored), seconds=clock.seconds)
     finally:
         for engine in (a, b, c):
             try:

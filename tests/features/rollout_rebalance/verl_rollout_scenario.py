@@ -21,8 +21,9 @@ ids Ray hands out.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
+
+from tests.support.phases import PhaseClock
 
 REPLICAS = 2
 # the GRPO batch both verl test modules check: 3 prompts x n=4, greedy, 96 tokens; the
@@ -180,15 +181,7 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
 
     from ascend_rl_plugins.features.rollout_rebalance import kv_migration
     from tests.features.rollout_rebalance import kv_migration_faults as faults
-    seconds = {}
-    clock = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[phase] = round(now - clock, 2)
-        clock = now
-
+    clock = PhaseClock()
     marker = os.path.join(store_dir, "die-on-next-load")
     env = {k: os.environ[k] for k in (
         "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
@@ -196,7 +189,7 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
     env[faults.DIE_MARKER_ENV] = marker
     ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": env})
-    lap("start Ray")
+    clock.lap("start Ray")
     try:
         from verl.experimental.agent_loop.agent_loop import AgentLoopManager
         from verl.workers.rollout.llm_server import LLMServerManager
@@ -213,7 +206,7 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
         servers = LLMServerManager.create(config)
         addresses = servers.get_addresses()
         handles = {r.server_address: r.server_handle for r in servers.get_replicas()}
-        lap("start two vLLM servers and the router")
+        clock.lap("start two vLLM servers and the router")
 
         def rollout(client) -> Rollout:
             manager = AgentLoopManager.create(config, llm_client=client)
@@ -228,17 +221,17 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
 
         reference = rollout(servers.get_client())
         router = _router_record(servers.global_load_balancer)
-        lap("reference rollout")
+        clock.lap("reference rollout")
         policy = TimedMigration(after_s=after_s, max_moves=max_moves)
         moved = rollout(servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
                                            policy=policy, store_dir=store_dir))
-        lap("moved rollout")
+        clock.lap("moved rollout")
         open(marker, "w").close()
         dies = rollout(servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
                                           policy=policy, store_dir=store_dir))
         errored = {a: ray.get(h.__ray_call__.remote(engine_errored)) for a, h in handles.items()}
-        lap("fault rollout")
+        clock.lap("fault rollout")
         return Rollouts(reference=reference, router=router, moved=moved, destination_dies=dies,
-                        errored=errored, marker_consumed=not os.path.exists(marker), seconds=seconds)
+                        errored=errored, marker_consumed=not os.path.exists(marker), seconds=clock.seconds)
     finally:
         ray.shutdown()
