@@ -133,12 +133,23 @@ async def _run(client, label: str, starts: list, prompts: list | None = None,
         exports_left=client.store.keys())
 
 
-def _store_and_two_replicas(model_dir: str, store_dir: str):
-    """The export store and two replicas running the shipped connector on it."""
-    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
-    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
-    return (kv_migration.KVExportStore(store_dir), _engine(model_dir, *shipped, store_dir),
-            _engine(model_dir, *shipped, store_dir))
+async def _start_engines(model_dir: str, store_dir: str, connectors: dict) -> dict:
+    """One ``AsyncLLM`` per replica name (``connectors``: name -> (connector class, module)),
+    started concurrently: each start spawns an engine core interpreter that imports vLLM
+    afresh (vLLM's CPU platform forces spawn), single-threaded work that two cores overlap.
+    The front ends are built in worker threads with no event loop, so their output handlers
+    start on this loop at the first request. If any start fails, the started ones are shut
+    down and the first error is raised."""
+    names = list(connectors)
+    started = await asyncio.gather(*(asyncio.to_thread(_engine, model_dir, *connectors[name], store_dir)
+                                      for name in names), return_exceptions=True)
+    errors = [e for e in started if isinstance(e, BaseException)]
+    if errors:
+        for engine in started:
+            if not isinstance(engine, BaseException):
+                engine.shutdown()
+        raise errors[0]
+    return dict(zip(names, started))
 
 
 # -- the live trigger: PlannedMigration (tail_policy.plan_moves on the client's bookkeeping) --
@@ -186,10 +197,14 @@ async def _reset_prefix_caches(*engines) -> None:
 
 async def _all_runs(model_dir: str, store_dir: str) -> MigrationRuns:
     from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
     clock = PhaseClock()
-    store, a, b = _store_and_two_replicas(model_dir, store_dir)
-    c = _engine(model_dir, "DyingOnLoadConnector",
-                "tests.features.rollout_rebalance.kv_migration_faults", store_dir)
+    store = kv_migration.KVExportStore(store_dir)
+    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
+    engines = await _start_engines(model_dir, store_dir, {
+        "A": shipped, "B": shipped,
+        "C": ("DyingOnLoadConnector", "tests.features.rollout_rebalance.kv_migration_faults")})
+    a, b, c = engines["A"], engines["B"], engines["C"]
     clock.lap("start three engines")
     try:
         n = len(PROMPT_LENGTHS)
