@@ -44,6 +44,13 @@ ENGINE_ENV = {
     "OMP_NUM_THREADS": "2",
 }
 
+# For engines that only decode greedily: vLLM 0.23's CPU sampler wraps its random-sampling
+# helper (``topk_topp_sampler.compiled_random_sample``) in ``torch.compile``, and the engine's
+# warm-up (a dummy sampler run, random sampling) compiles it with inductor in every process,
+# enforce_eager or not: ~15 s of each engine start on this 2-core machine. Greedy requests never
+# call that helper; with torch.compile off the warm-up runs it eagerly.
+GREEDY_ENGINE_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+
 
 def _child_env(env: dict | None, path_first: str | None = None) -> dict:
     full = dict(os.environ)

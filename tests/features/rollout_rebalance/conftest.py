@@ -15,12 +15,14 @@ import tempfile
 
 import pytest
 
-from tests.support.child import run_scenario
+from tests.support.child import GREEDY_ENGINE_ENV, run_scenario
 
 # the engines' environment: 1 GiB of KV cache each, one OpenMP thread per engine (three or
 # more engine processes share this 2-core machine), quiet logs
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "ASCEND_RL_AUTOLOAD": "0"}
+# and the greedy-only warm-up shortcut for the kv-migration engines (every request is greedy)
+KV_MIGRATION_ENV = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV)
 
 
 def _shared_memory_dir() -> str | None:
@@ -31,7 +33,7 @@ def _shared_memory_dir() -> str | None:
 def migration_runs(tiny_model_path):
     from tests.features.rollout_rebalance.kv_migration_scenario import MigrationRuns
     runs = run_scenario("tests.features.rollout_rebalance.kv_migration_scenario", "migration_runs",
-                        tiny_model_path, env=ENGINE_ENV, timeout=900, returns=MigrationRuns)
+                        tiny_model_path, env=KV_MIGRATION_ENV, timeout=900, returns=MigrationRuns)
     print("kv migration runs, seconds per phase:", runs.seconds)
     return runs
 
