@@ -21,8 +21,8 @@ from tests.support.child import GREEDY_ENGINE_ENV, run_scenario
 # more engine processes share this 2-core machine), quiet logs
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "ASCEND_RL_AUTOLOAD": "0"}
-# and the greedy-only warm-up shortcut for the kv-migration engines (every request is greedy)
-KV_MIGRATION_ENV = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV)
+# and the greedy-only warm-up shortcut (every request of both scenarios is greedy)
+GREEDY_ENV = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV)
 
 
 def _shared_memory_dir() -> str | None:
@@ -33,7 +33,7 @@ def _shared_memory_dir() -> str | None:
 def migration_runs(tiny_model_path):
     from tests.features.rollout_rebalance.kv_migration_scenario import MigrationRuns
     runs = run_scenario("tests.features.rollout_rebalance.kv_migration_scenario", "migration_runs",
-                        tiny_model_path, env=KV_MIGRATION_ENV, timeout=900, returns=MigrationRuns)
+                        tiny_model_path, env=GREEDY_ENV, timeout=900, returns=MigrationRuns)
     print("kv migration runs, seconds per phase:", runs.seconds)
     return runs
 
@@ -43,7 +43,7 @@ def verl_rollouts():
     from ascend_rl_plugins.devtools import tiny_qwen3
     from ascend_rl_plugins.features import rollout_rebalance as rr
     from tests.features.rollout_rebalance import verl_rollout_scenario as scenario
-    env = {k: v for k, v in ENGINE_ENV.items() if k != "ASCEND_RL_AUTOLOAD"}
+    env = {k: v for k, v in GREEDY_ENV.items() if k != "ASCEND_RL_AUTOLOAD"}
     with tempfile.TemporaryDirectory(prefix="arp-verl-kv-migration-", dir=_shared_memory_dir()) as store:
         rollouts = run_scenario("tests.features.rollout_rebalance.verl_rollout_scenario",
                                 "grpo_rollouts", tiny_qwen3.cached(chatml=True), rr.router_yaml_path(),

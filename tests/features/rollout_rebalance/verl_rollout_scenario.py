@@ -185,7 +185,7 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
     marker = os.path.join(store_dir, "die-on-next-load")
     env = {k: os.environ[k] for k in (
         "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
-        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ}
+        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND", "TORCH_COMPILE_DISABLE") if k in os.environ}
     env[faults.DIE_MARKER_ENV] = marker
     ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": env})
