@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, Exited, run_scenario, run_scenario_to_exit
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, Exited, run_scenario, run_scenario_to_exit
 from tests.support.stacks import vllm_version
 
 SCENARIO = "tests.plugin_scenario"
@@ -43,7 +43,7 @@ def test_vllm_loads_the_plugin_in_the_engine_core_process(tmp_path, tiny_model_p
     spmd style): in both, the process that runs EngineCore.step has ascend-rl active,
     activated by vLLM's general-plugin loader, with the diagnostic patch applied."""
     report = tmp_path / "diag.jsonl"
-    env = dict(ENGINE_ENV, ASCEND_RL_DIAGNOSTICS=str(report), ASCEND_RL_AUTOLOAD="0")
+    env = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_DIAGNOSTICS=str(report), ASCEND_RL_AUTOLOAD="0")
     result = run_scenario(SCENARIO, "engines_in_both_modes", tiny_model_path, env=env)
     records = [json.loads(line) for line in report.read_text().splitlines()]
     driver = result["pid"]

@@ -12,16 +12,23 @@ value behind a marker line.
 (torchrun-style environment); every rank tears the group down together at the end, since
 a rank that left while its peers still talked to it (rank 0 also hosts the rendezvous
 store) was seen to abort at exit after emitting a correct result.
+
+A scenario may return a dataclass (nested dataclasses, lists, dicts and ``X | None`` of them
+included): it crosses as JSON and ``run_scenario(..., returns=ThatClass)`` rebuilds it, so a
+test reads fields, not keys, and a failing assertion still prints every number.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +43,13 @@ ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "2",
 }
+
+# For engines that only decode greedily: vLLM 0.23's CPU sampler wraps its random-sampling
+# helper (``topk_topp_sampler.compiled_random_sample``) in ``torch.compile``, and the engine's
+# warm-up (a dummy sampler run, random sampling) compiles it with inductor in every process,
+# enforce_eager or not: ~15 s of each engine start on this 2-core machine. Greedy requests never
+# call that helper; with torch.compile off the warm-up runs it eagerly.
+GREEDY_ENGINE_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 
 def _child_env(env: dict | None, path_first: str | None = None) -> dict:
@@ -62,10 +76,32 @@ def _result(out: str) -> tuple[bool, Any]:
     return (True, json.loads(got[-1])) if got else (False, None)
 
 
+def rebuild(kind: Any, data: Any) -> Any:
+    """``data`` (decoded JSON) as the annotated type ``kind``: dataclasses field by field
+    (their annotations resolved in their own module), ``list[X]``, ``dict[str, X]`` and
+    ``X | None`` recursively; anything else as JSON gave it."""
+    if data is None:
+        return None
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        return kind(**{f.name: rebuild(hints[f.name], data[f.name])
+                       for f in dataclasses.fields(kind) if f.name in data})
+    origin, parts = typing.get_origin(kind), typing.get_args(kind)
+    if origin is list:
+        return [rebuild(parts[0], item) for item in data]
+    if origin is dict:
+        return {key: rebuild(parts[1], value) for key, value in data.items()}
+    if origin in (typing.Union, types.UnionType):
+        options = [p for p in parts if p is not type(None)]
+        return rebuild(options[0], data) if len(options) == 1 else data
+    return data
+
+
 def run_scenario(module: str, function: str, *args: Any, env: dict | None = None,
                  timeout: float = 900, python: str | None = None, cwd: str | None = None,
-                 path_first: str | None = None) -> Any:
-    """``module.function(*args)`` in a fresh interpreter; returns its (JSON) result.
+                 path_first: str | None = None, returns: type | None = None) -> Any:
+    """``module.function(*args)`` in a fresh interpreter; returns its (JSON) result, rebuilt
+    as ``returns`` (a dataclass) where given.
 
     ``path_first`` goes on ``PYTHONPATH`` before the repository (an installed copy of the
     package that must win over the checkout); ``cwd`` defaults to the repository.
@@ -76,7 +112,7 @@ def run_scenario(module: str, function: str, *args: Any, env: dict | None = None
     if proc.returncode != 0 or not ok:
         raise AssertionError(f"{module}.{function} failed in a child process (exit {proc.returncode})\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
-    return result
+    return rebuild(returns, result) if returns is not None else result
 
 
 @dataclass
@@ -152,6 +188,8 @@ def _main(payload: str) -> None:
     if spec["group"]:
         dist.barrier()
         dist.destroy_process_group()
+    if dataclasses.is_dataclass(result):
+        result = dataclasses.asdict(result)
     print(MARK + json.dumps(result), flush=True)
 
 

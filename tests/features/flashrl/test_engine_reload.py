@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.support import stacks
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 
 from . import engine_scenario
 
@@ -52,7 +52,9 @@ def engines(request, artifacts):
     wd, paths = artifacts
     fmt, prefix = FMT[scheme], "" if scheme == "dynamic" else f"{scheme}_"
     config = paths["config"] if scheme == "dynamic" else paths[f"{fmt}_config"]
-    base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    # greedy only (engine_scenario._generate, verl_scenario): no torch.compile of the sampler
+    base = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0",
+                OMP_NUM_THREADS="1")
     jobs = {prefix + "reload": dict(base, ASCEND_RL_FLASHRL=config), prefix + "direct": base}
     # verl 0.9.1 runs against vLLM 0.23; its bucketed path does not depend on the scheme
     calls = {role: (SCENARIO, "run", role, paths, wd) for role in jobs}

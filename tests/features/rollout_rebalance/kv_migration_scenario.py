@@ -6,16 +6,22 @@ shared process group, as verl 0.9's server replicas): A and B load the shipped
 reaches it (``kv_migration_faults.DyingOnLoadConnector``). Each carries the connector through
 ``kv_transfer_config`` with ``kv_connector_module_path``: vLLM's own extension point.
 
-Runs, on the same engines, all requests concurrent, greedy, log-probs on:
+``migration_runs`` starts the three engines once (an engine start costs far more than the
+runs on this CPU) and makes every run on them, all requests concurrent, greedy, log-probs on,
+each on a cleared prefix cache unless said otherwise:
 
 - ``reference``: no migration (requests start alternately on A and B);
 - ``moved``: every request moved A -> B -> A (``ForcedMigration``: after 8 and 16 tokens);
-- ``destination_dies``: every request started on A and moved to C after 8 tokens; C dies
-  while loading the first one, the others find it dead; each resumes on A.
+- ``planned_reference`` / ``planned``: the live trigger (``PlannedMigration``), six requests
+  all started on A with B idle, against the same six unmoved (``test_kv_migration_planned``);
+- ``destination_dies`` (last: it kills C; A and B live on): every request started on A and
+  moved to C after 8 tokens; C dies while loading the first one, the others find it dead;
+  each resumes on A.
 
-Returns every request's tokens, log-probs, hops (replica, tokens received there, outcome,
-the KV tokens vLLM reports cached on the hop's first output) and the client's per-replica
-count of final outputs, for the test to compare.
+Returns a :class:`MigrationRuns`: every request's tokens, log-probs, hops (replica, tokens
+received there, outcome, the KV tokens vLLM reports cached on the hop's first output) and the
+client's per-replica count of final outputs, for the tests to compare, and the seconds each
+phase took (printed, never asserted).
 """
 
 from __future__ import annotations
@@ -23,9 +29,64 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+from dataclasses import dataclass, field
+
+from tests.support.phases import PhaseClock
 
 PROMPT_LENGTHS = (5, 20, 37, 50)   # block size 16: moves land inside and across blocks
 MAX_TOKENS = 24
+
+
+@dataclass
+class HopRecord:
+    """One stretch of a request on one replica (``migration_client.Hop``, as the tests read it)."""
+
+    replica: str
+    tokens: int
+    outcome: str
+    loaded_from_export: bool
+    export_found: bool | None
+    cached_tokens: int | None
+    prompt_tokens: int
+    error: str | None
+
+
+@dataclass
+class Run:
+    """One batch of concurrent requests through one ``MigratingClient``."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish: list[str | None]
+    hops: list[list[HopRecord]]
+    finished_on: dict[str, int]   # the client's count of final outputs per replica
+    dead: list[str]
+    exports_left: list[str]
+
+
+@dataclass
+class PlannedRun(Run):
+    """A run under ``PlannedMigration``, with what the policy counted."""
+
+    rounds: int = 0
+    moves_planned: int = 0
+    moves_started: int = 0
+    skipped_unmovable: int = 0
+    capacities: dict[str, list[int]] = field(default_factory=dict)   # replica: [slots, KV tokens]
+    in_flight_left: int = 0
+
+
+@dataclass
+class MigrationRuns:
+    reference: Run
+    moved: Run
+    planned_reference: Run
+    planned: PlannedRun
+    destination_dies: Run
+    c_errored: bool
+    a_errored: bool
+    b_errored: bool
+    seconds: dict[str, float]   # per phase (engine start, each run): where the time went
 
 
 def _engine(model_dir: str, connector_class: str, module: str, store_dir: str):
@@ -53,69 +114,42 @@ def _params(max_tokens: int = MAX_TOKENS, **sampling):
 
 
 async def _run(client, label: str, starts: list, prompts: list | None = None,
-               params: list | None = None) -> dict:
+               params: list | None = None, record: type = Run) -> Run:
     prompts = prompts or _prompts()
     params = params or [_params() for _ in prompts]
     outs = await asyncio.gather(*(client.generate(f"{label}-{i}", prompt, sampling, start)
                                   for i, (prompt, sampling, start)
                                   in enumerate(zip(prompts, params, starts))))
-    return {
-        "tokens": [o.token_ids for o in outs],
-        "logprobs": [o.logprobs for o in outs],
-        "finish": [o.finish_reason for o in outs],
-        "hops": [[{"replica": h.replica, "tokens": h.tokens, "outcome": h.outcome,
-                   "loaded_from_export": h.loaded_from is not None, "export_found": h.export_found,
-                   "cached_tokens": h.cached_tokens, "prompt_tokens": h.prompt_tokens,
-                   "error": h.error} for h in o.hops] for o in outs],
-        "finished_on": dict(client.finished_on),
-        "dead": sorted(client.dead),
-        "exports_left": client.store.keys(),
-    }
+    return record(
+        tokens=[list(o.token_ids) for o in outs],
+        logprobs=[list(o.logprobs) for o in outs],
+        finish=[o.finish_reason for o in outs],
+        hops=[[HopRecord(replica=h.replica, tokens=h.tokens, outcome=h.outcome,
+                         loaded_from_export=h.loaded_from is not None, export_found=h.export_found,
+                         cached_tokens=h.cached_tokens, prompt_tokens=h.prompt_tokens, error=h.error)
+               for h in o.hops] for o in outs],
+        finished_on=dict(client.finished_on),
+        dead=sorted(client.dead),
+        exports_left=client.store.keys())
 
 
-def _store_and_two_replicas(model_dir: str, store_dir: str):
-    """The export store and two replicas running the shipped connector on it."""
-    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
-    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
-    return (kv_migration.KVExportStore(store_dir), _engine(model_dir, *shipped, store_dir),
-            _engine(model_dir, *shipped, store_dir))
-
-
-async def _scenario(model_dir: str, store_dir: str) -> dict:
-    from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
-    store, a, b = _store_and_two_replicas(model_dir, store_dir)
-    c = _engine(model_dir, "DyingOnLoadConnector",
-                "tests.features.rollout_rebalance.kv_migration_faults", store_dir)
-    try:
-        n = len(PROMPT_LENGTHS)
-        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
-                         ["A" if i % 2 == 0 else "B" for i in range(n)])
-        for engine in (a, b):
-            await engine.reset_prefix_cache()
-        moved = await _run(MigratingClient({"A": a, "B": b}, store,
-                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
-                           "moved", ["A"] * n)
-        dies = await _run(MigratingClient({"A": a, "C": c}, store,
-                                          policy=ForcedMigration(after_tokens=8, max_moves=1)),
-                          "dies", ["A"] * n)
-        return {"reference": ref, "moved": moved, "destination_dies": dies,
-                "c_errored": bool(c.errored), "a_errored": bool(a.errored)}
-    finally:
-        for engine in (a, b, c):
-            try:
+async def _start_engines(model_dir: str, store_dir: str, connectors: dict) -> dict:
+    """One ``AsyncLLM`` per replica name (``connectors``: name -> (connector class, module)),
+    started concurrently: each start spawns an engine core interpreter that imports vLLM
+    afresh (vLLM's CPU platform forces spawn), single-threaded work that two cores overlap.
+    The front ends are built in worker threads with no event loop, so their output handlers
+    start on this loop at the first request. If any start fails, the started ones are shut
+    down and the first error is raised."""
+    names = list(connectors)
+    started = await asyncio.gather(*(asyncio.to_thread(_engine, model_dir, *connectors[name], store_dir)
+                                      for name in names), return_exceptions=True)
+    errors = [e for e in started if isinstance(e, BaseException)]
+    if errors:
+        for engine in started:
+            if not isinstance(engine, BaseException):
                 engine.shutdown()
-            except Exception:  # noqa: BLE001 - C is dead already
-                pass
-
-
-def _in_store_dir(scenario, model_dir: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix="arp-kv-migration-",
-                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        return asyncio.run(scenario(model_dir, d))
-
-
-def migrate_between_replicas(model_dir: str) -> dict:
-    return _in_store_dir(_scenario, model_dir)
+        raise errors[0]
+    return dict(zip(names, started))
 
 
 # -- the live trigger: PlannedMigration (tail_policy.plan_moves on the client's bookkeeping) --
@@ -130,35 +164,77 @@ def _planned_params() -> list:
             else _params(PLANNED_MAX_TOKENS) for i in range(len(PLANNED_PROMPT_LENGTHS))]
 
 
-async def _planned_scenario(model_dir: str, store_dir: str) -> dict:
+async def _planned_runs(a, b, store) -> tuple[Run, PlannedRun]:
+    """Six requests unmoved (alternating A/B), then all started on A with B idle while the
+    planner moves the longest-remaining ones with their KV."""
     from ascend_rl_plugins.features.rollout_rebalance import tail_policy
     from ascend_rl_plugins.features.rollout_rebalance.migration_client import MigratingClient, PlannedMigration
-    store, a, b = _store_and_two_replicas(model_dir, store_dir)
     n = len(PLANNED_PROMPT_LENGTHS)
     prompts = _prompts(PLANNED_PROMPT_LENGTHS)
+    ref = await _run(MigratingClient({"A": a, "B": b}, store, policy=None), "planned-ref",
+                     ["A" if i % 2 == 0 else "B" for i in range(n)], prompts, _planned_params())
+    await _reset_prefix_caches(a, b)
+    # the step model says what the planner weighs: a batch of 6 steps 6x slower than a
+    # batch of 1 (CPU decode of the tiny model is not batch-bound; the default figures'
+    # graph ladder pads every batch below 4 to 4 and so sees no gain here)
+    policy = PlannedMigration(
+        interval_s=0.05,
+        step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
+        settings=tail_policy.TailSettings(margin_s=0.0, growth_reserve_tokens=16))
+    client = MigratingClient({"A": a, "B": b}, store, policy=policy)
+    planned = await _run(client, "planned", ["A"] * n, prompts, _planned_params(), record=PlannedRun)
+    planned.rounds, planned.moves_planned = policy.rounds, policy.planned
+    planned.moves_started, planned.skipped_unmovable = policy.started, policy.skipped_unmovable
+    planned.capacities = {k: [c.slots, c.kv_tokens] for k, c in policy.capacities.items()}
+    planned.in_flight_left = len(client.in_flight)
+    return ref, planned
+
+
+async def _reset_prefix_caches(*engines) -> None:
+    for engine in engines:
+        await engine.reset_prefix_cache()
+
+
+async def _all_runs(model_dir: str, store_dir: str) -> MigrationRuns:
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
+    clock = PhaseClock()
+    store = kv_migration.KVExportStore(store_dir)
+    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
+    engines = await _start_engines(model_dir, store_dir, {
+        "A": shipped, "B": shipped,
+        "C": ("DyingOnLoadConnector", "tests.features.rollout_rebalance.kv_migration_faults")})
+    a, b, c = engines["A"], engines["B"], engines["C"]
+    clock.lap("start three engines")
     try:
-        ref = await _run(MigratingClient({"A": a, "B": b}, store, policy=None), "ref",
-                         ["A" if i % 2 == 0 else "B" for i in range(n)], prompts, _planned_params())
-        for engine in (a, b):
-            await engine.reset_prefix_cache()
-        # the step model says what the planner weighs: a batch of 6 steps 6x slower than a
-        # batch of 1 (CPU decode of the tiny model is not batch-bound; the default figures'
-        # graph ladder pads every batch below 4 to 4 and so sees no gain here)
-        policy = PlannedMigration(
-            interval_s=0.05,
-            step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
-            settings=tail_policy.TailSettings(margin_s=0.0, growth_reserve_tokens=16))
-        client = MigratingClient({"A": a, "B": b}, store, policy=policy)
-        planned = await _run(client, "planned", ["A"] * n, prompts, _planned_params())
-        planned.update(rounds=policy.rounds, moves_planned=policy.planned,
-                       moves_started=policy.started, skipped_unmovable=policy.skipped_unmovable,
-                       capacities={k: [c.slots, c.kv_tokens] for k, c in policy.capacities.items()},
-                       in_flight_left=len(client.in_flight))
-        return {"reference": ref, "planned": planned}
+        n = len(PROMPT_LENGTHS)
+        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
+                         ["A" if i % 2 == 0 else "B" for i in range(n)])
+        clock.lap("reference")
+        await _reset_prefix_caches(a, b)
+        moved = await _run(MigratingClient({"A": a, "B": b}, store,
+                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
+                           "moved", ["A"] * n)
+        clock.lap("moved A->B->A")
+        await _reset_prefix_caches(a, b)
+        planned_ref, planned = await _planned_runs(a, b, store)
+        clock.lap("planned (reference and planned)")
+        dies = await _run(MigratingClient({"A": a, "C": c}, store,
+                                          policy=ForcedMigration(after_tokens=8, max_moves=1)),
+                          "dies", ["A"] * n)
+        clock.lap("destination dies")
+        return MigrationRuns(reference=ref, moved=moved, planned_reference=planned_ref, planned=planned,
+                             destination_dies=dies, c_errored=bool(c.errored),
+                             a_errored=bool(a.errored), b_errored=bool(b.errored), seconds=clock.seconds)
     finally:
-        for engine in (a, b):
-            engine.shutdown()
+        for engine in (a, b, c):
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - C is dead already
+                pass
 
 
-def planned_migration_between_replicas(model_dir: str) -> dict:
-    return _in_store_dir(_planned_scenario, model_dir)
+def migration_runs(model_dir: str) -> MigrationRuns:
+    with tempfile.TemporaryDirectory(prefix="arp-kv-migration-",
+                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        return asyncio.run(_all_runs(model_dir, d))

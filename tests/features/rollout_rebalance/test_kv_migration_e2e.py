@@ -1,6 +1,7 @@
 """Tail migration with KV between independent vLLM 0.23 engines on CPU (scenario
-``kv_migration_scenario.migrate_between_replicas``: three ``AsyncLLM`` replicas with their own
-engine core processes, the connector loaded through ``kv_transfer_config`` /
+``kv_migration_scenario.migration_runs``, the session fixture ``migration_runs`` of this
+folder's conftest.py, shared with ``test_kv_migration_planned``: three ``AsyncLLM`` replicas
+with their own engine core processes, the connector loaded through ``kv_transfer_config`` /
 ``kv_connector_module_path``).
 
 Checked against the unmoved run on the same engines (greedy, 4 concurrent requests of 24
@@ -21,64 +22,63 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.child import run_scenario
+from tests.features.rollout_rebalance.kv_migration_scenario import MAX_TOKENS as TOKENS
+from tests.features.rollout_rebalance.kv_migration_scenario import PROMPT_LENGTHS
 from tests.support.stacks import vllm_version
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(vllm_version() is None or not vllm_version().startswith("0.23"),
                                  reason="the KV-connector migration targets vLLM 0.23 (verl 0.9)")]
 
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-       "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "ASCEND_RL_AUTOLOAD": "0"}
-REQUESTS, TOKENS = 4, 24
+REQUESTS = len(PROMPT_LENGTHS)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_path):
-    return run_scenario("tests.features.rollout_rebalance.kv_migration_scenario",
-                        "migrate_between_replicas", tiny_model_path, env=ENV, timeout=900)
+@pytest.fixture
+def runs(migration_runs):
+    return migration_runs
 
 
 def test_reference_run_is_unmoved(runs):
-    ref = runs["reference"]
-    assert [len(t) for t in ref["tokens"]] == [TOKENS] * REQUESTS, ref
-    assert all(len(h) == 1 and h[0]["outcome"] == "finished" for h in ref["hops"]), ref
-    assert sum(ref["finished_on"].values()) == REQUESTS, ref
+    ref = runs.reference
+    assert [len(t) for t in ref.tokens] == [TOKENS] * REQUESTS, ref
+    assert all(len(h) == 1 and h[0].outcome == "finished" for h in ref.hops), ref
+    assert sum(ref.finished_on.values()) == REQUESTS, ref
 
 
 def test_moved_twice_with_kv_gives_identical_tokens_and_logprobs(runs):
-    ref, moved = runs["reference"], runs["moved"]
-    assert moved["tokens"] == ref["tokens"], moved
-    assert len(moved["logprobs"]) == REQUESTS and all(len(lp) == TOKENS for lp in moved["logprobs"])
-    diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(moved["logprobs"], ref["logprobs"])]
-    assert moved["logprobs"] == ref["logprobs"], {"max abs logprob difference per request": diffs}
-    assert moved["finish"] == ref["finish"] == ["length"] * REQUESTS
+    ref, moved = runs.reference, runs.moved
+    assert moved.tokens == ref.tokens, moved
+    assert len(moved.logprobs) == REQUESTS and all(len(lp) == TOKENS for lp in moved.logprobs)
+    diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(moved.logprobs, ref.logprobs)]
+    assert moved.logprobs == ref.logprobs, {"max abs logprob difference per request": diffs}
+    assert moved.finish == ref.finish == ["length"] * REQUESTS
 
 
 def test_moved_requests_took_the_sources_kv(runs):
-    moved = runs["moved"]
-    for hops in moved["hops"]:
-        assert [h["replica"] for h in hops] == ["A", "B", "A"], hops
-        assert [h["outcome"] for h in hops] == ["moved", "moved", "finished"], hops
-        assert sum(h["tokens"] for h in hops) == TOKENS, hops
+    moved = runs.moved
+    for hops in moved.hops:
+        assert [h.replica for h in hops] == ["A", "B", "A"], hops
+        assert [h.outcome for h in hops] == ["moved", "moved", "finished"], hops
+        assert sum(h.tokens for h in hops) == TOKENS, hops
         for h in hops[1:]:
             # the destination computed only the last prompt token: the rest came as KV
-            assert h["loaded_from_export"] and h["cached_tokens"] == h["prompt_tokens"] - 1, hops
-    assert moved["finished_on"] == {"A": REQUESTS}, moved
-    assert moved["exports_left"] == [], moved   # every export released after its ack
+            assert h.loaded_from_export and h.cached_tokens == h.prompt_tokens - 1, hops
+    assert moved.finished_on == {"A": REQUESTS}, moved
+    assert moved.exports_left == [], moved   # every export released after its ack
 
 
 def test_destination_dying_mid_migration_loses_and_duplicates_nothing(runs):
-    ref, dies = runs["reference"], runs["destination_dies"]
-    assert runs["c_errored"] and not runs["a_errored"], runs
-    assert dies["dead"] == ["C"], dies
-    assert dies["tokens"] == ref["tokens"] and dies["logprobs"] == ref["logprobs"], dies
-    assert dies["finished_on"] == {"A": REQUESTS}, dies   # exactly once each, all on A
-    for hops in dies["hops"]:
-        assert [(h["replica"], h["outcome"]) for h in hops] == \
+    ref, dies = runs.reference, runs.destination_dies
+    # C died; A (and B, which served the planned runs before) did not
+    assert runs.c_errored and not runs.a_errored and not runs.b_errored, runs
+    assert dies.dead == ["C"], dies
+    assert dies.tokens == ref.tokens and dies.logprobs == ref.logprobs, dies
+    assert dies.finished_on == {"A": REQUESTS}, dies   # exactly once each, all on A
+    for hops in dies.hops:
+        assert [(h.replica, h.outcome) for h in hops] == \
             [("A", "moved"), ("C", "failed"), ("A", "finished")], hops
-        assert hops[1]["tokens"] == 0, hops   # C never answered
+        assert hops[1].tokens == 0, hops   # C never answered
         # resumed at the source from the export it kept
-        assert hops[2]["loaded_from_export"] and \
-            hops[2]["cached_tokens"] == hops[2]["prompt_tokens"] - 1, hops
-    assert dies["exports_left"] == [], dies
+        assert hops[2].loaded_from_export and \
+            hops[2].cached_tokens == hops[2].prompt_tokens - 1, hops
+    assert dies.exports_left == [], dies

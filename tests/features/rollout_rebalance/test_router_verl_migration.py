@@ -1,6 +1,7 @@
 """Tail migration with KV inside verl 0.9.1's own agent-loop rollout, real vLLM 0.23 CPU servers.
 
-Scenario ``verl_rollout_scenario.grpo_rollout_migrating``: verl's ``LLMServerManager`` starts
+Scenario ``verl_rollout_scenario.grpo_rollouts`` (the session fixture ``verl_rollouts`` of this
+folder's conftest.py, shared with ``test_router_verl_rollout``): verl's ``LLMServerManager`` starts
 two standalone ``vLLMReplica``s whose vLLM engines load the migration connector through
 ``rollout.engine_kwargs.vllm.kv_transfer_config`` (the fault-injecting subclass, inert until
 armed), builds this router from ``router_config_path``, and ``AgentLoopManager`` runs a GRPO
@@ -20,12 +21,9 @@ armed replica died and nothing was lost.
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 
-from tests.support.child import run_scenario
+from tests.features.rollout_rebalance.verl_rollout_scenario import N, PROMPTS, TOKENS
 from tests.support.stacks import vllm_version
 
 pytestmark = [pytest.mark.engine,
@@ -36,60 +34,49 @@ pytest.importorskip("verl.workers.rollout.router",
                     reason="verl < 0.9 has no router plug-in point (rollout.router_config_path)")
 pytest.importorskip("ray")
 
-PROMPTS, N, TOKENS, AFTER_S, MAX_MOVES = 3, 4, 96, 0.1, 8
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-       "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+
+@pytest.fixture
+def runs(verl_rollouts):
+    return verl_rollouts
 
 
-@pytest.fixture(scope="module")
-def runs():
-    from ascend_rl_plugins.devtools import tiny_qwen3
-    from ascend_rl_plugins.features import rollout_rebalance as rr
-    with tempfile.TemporaryDirectory(prefix="arp-verl-kv-migration-",
-                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as store:
-        yield run_scenario("tests.features.rollout_rebalance.verl_rollout_scenario",
-                           "grpo_rollout_migrating", tiny_qwen3.cached(chatml=True),
-                           rr.router_yaml_path(), PROMPTS, N, TOKENS, store, AFTER_S, MAX_MOVES,
-                           env=ENV, timeout=1200)
-
-
-def summary(runs: dict) -> dict:
+def summary(runs) -> dict:
     """The figures the README quotes."""
-    return {name: {"replicas": runs[name]["replicas"], "exports_left": runs[name]["exports_left"]}
-            for name in ("reference", "moved", "destination_dies")} | {"errored": runs["errored"]}
+    return {name: {"replicas": getattr(runs, name).replicas, "exports_left": getattr(runs, name).exports_left}
+            for name in ("reference", "moved", "destination_dies")} | {"errored": runs.errored}
 
 
-def _finished(run: dict) -> float:
-    return sum(c["finished"] for c in run["replicas"].values() if c is not None)
+def _finished(run) -> float:
+    return sum(c.finished for c in run.replicas.values() if c is not None)
 
 
 def test_reference_rollout_answers_every_request_once(runs):
     print("verl migration rollout:", summary(runs))
-    ref = runs["reference"]
-    assert ref["lengths"] == [TOKENS] * PROMPTS * N, ref["lengths"]
-    assert _finished(ref) == PROMPTS * N, ref["replicas"]
-    assert all(c["kv_loaded_tokens"] == 0 for c in ref["replicas"].values()), ref["replicas"]
+    ref = runs.reference
+    assert ref.lengths == [TOKENS] * PROMPTS * N, ref.lengths
+    assert _finished(ref) == PROMPTS * N, ref.replicas
+    assert all(c.kv_loaded_tokens == 0 for c in ref.replicas.values()), ref.replicas
 
 
 def test_migration_forced_on_gives_identical_responses_and_log_probs(runs):
-    ref, moved = runs["reference"], runs["moved"]
-    assert moved["responses"] == ref["responses"]
-    diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(moved["log_probs"], ref["log_probs"])]
-    assert moved["log_probs"] == ref["log_probs"], {"max abs log-prob difference per row": diffs}
-    assert _finished(moved) == PROMPTS * N, moved["replicas"]   # each finished exactly once
+    ref, moved = runs.reference, runs.moved
+    assert moved.responses == ref.responses
+    diffs = [max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(moved.log_probs, ref.log_probs)]
+    assert moved.log_probs == ref.log_probs, {"max abs log-prob difference per row": diffs}
+    assert _finished(moved) == PROMPTS * N, moved.replicas   # each finished exactly once
     # moves happened, with KV: tokens loaded through the connector (vLLM's
     # external_prefix_cache_hits); a move with nothing computed yet loads nothing
-    assert sum(c["kv_loaded_tokens"] for c in moved["replicas"].values()) > 0, moved["replicas"]
-    assert moved["exports_left"] == [], moved
+    assert sum(c.kv_loaded_tokens for c in moved.replicas.values()) > 0, moved.replicas
+    assert moved.exports_left == [], moved
 
 
 def test_replica_dying_mid_migration_loses_no_request(runs):
-    ref, dies = runs["reference"], runs["destination_dies"]
-    assert runs["marker_consumed"], "no replica received a KV load after the fault was armed"
-    assert dies["responses"] == ref["responses"] and dies["log_probs"] == ref["log_probs"]
-    assert dies["lengths"] == [TOKENS] * PROMPTS * N
-    assert sorted(runs["errored"].values()) == [False, True], runs["errored"]   # one replica died
-    live = [a for a, dead in runs["errored"].items() if not dead]
+    ref, dies = runs.reference, runs.destination_dies
+    assert runs.marker_consumed, "no replica received a KV load after the fault was armed"
+    assert dies.responses == ref.responses and dies.log_probs == ref.log_probs
+    assert dies.lengths == [TOKENS] * PROMPTS * N
+    assert sorted(runs.errored.values()) == [False, True], runs.errored   # one replica died
+    live = [a for a, dead in runs.errored.items() if not dead]
     # the survivor finished what it ran; the dead replica's counters may be unreadable
-    assert dies["replicas"][live[0]]["finished"] >= 1, dies["replicas"]
-    assert dies["exports_left"] == [], dies
+    assert dies.replicas[live[0]].finished >= 1, dies.replicas
+    assert dies.exports_left == [], dies

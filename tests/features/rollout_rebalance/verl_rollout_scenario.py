@@ -1,10 +1,17 @@
-"""verl 0.9's own agent-loop rollout on CPU with this router loaded through router_config_path.
+"""verl 0.9's own agent-loop rollout on CPU with this router loaded through router_config_path,
+and tail migration with KV in it.
 
 verl's ``LLMServerManager`` starts standalone ``vLLMReplica``s (each: a Ray placement group of
 one logical "GPU", a ``CheckpointEngineWorker``, a ``vLLMHttpServer`` running vLLM's real
 ``AsyncLLM`` on the CPU build), builds the router with its own ``get_router_handle`` from
 ``rollout.router_config_path``, and ``AgentLoopManager`` runs ``single_turn_agent`` over a
 GRPO batch (each prompt repeated n times) through verl's ``LLMServerClient``.
+
+``grpo_rollouts`` starts Ray and the servers once (their start costs more than the rollouts
+on this CPU) and makes three rollouts on them: verl's own client (the router checks of
+``test_router_verl_rollout`` read this one), then the two migrating ones of
+``test_router_verl_migration``. The servers load the migration connector (the fault-injecting
+subclass, inert until armed) through ``rollout.engine_kwargs.vllm.kv_transfer_config``.
 
 Ray is started with logical GPUs: verl 0.9.1 takes this CPU host for a CUDA one and asks Ray
 for "GPU" bundles; the bundles only reserve a slot, vLLM's CPU platform ignores the device
@@ -14,8 +21,15 @@ ids Ray hands out.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+from tests.support.phases import PhaseClock
 
 REPLICAS = 2
+# the GRPO batch both verl test modules check: 3 prompts x n=4, greedy, 96 tokens; the
+# migrating runs move every hop still running after 0.1 s (cut at whatever token the timer
+# meets), up to 8 times per request
+PROMPTS, N, TOKENS, AFTER_S, MAX_MOVES = 3, 4, 96, 0.1, 8
 
 
 def _config(model_dir: str, router_yaml: str, n: int, max_tokens: int, engine_kwargs: dict | None = None):
@@ -62,17 +76,24 @@ def _batch(prompts: int, n: int):
     return batch
 
 
-def _successes(address: str) -> float:
-    """vLLM's own count of finished requests on one replica (its Prometheus /metrics)."""
-    import urllib.request
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total"))
+@dataclass
+class RouterRecord:
+    """What the router recorded of the reference rollout (read inside its actor right after
+    it): the replica it bound each request id to, the requests it saw released, its
+    per-prompt (GRPO group) history, and its status."""
+
+    router_class: str
+    bound: dict[str, int]          # server address: requests bound there
+    requests: int
+    released: int
+    group_sizes: list[int]
+    total_inflight: int
+    queued: int
+    load_source: str
+    kv_capacity_tokens: dict[str, int]   # per server, parsed from its /metrics
 
 
-def _router_record(router) -> dict:
-    """What the router itself recorded (read inside its actor): the replica it bound each
-    request id to, the requests it saw released, and its per-prompt (GRPO group) history."""
+def _router_books(router) -> dict:
     from collections import Counter
     policy = router._policy
     return {"bound": dict(Counter(policy.sticky.values())), "requests": len(policy.sticky),
@@ -80,40 +101,15 @@ def _router_record(router) -> dict:
             "group_sizes": sorted(n for _, n in policy.lengths.by_group.values())}
 
 
-def grpo_rollout(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int) -> dict:
+def _router_record(router) -> RouterRecord:
     import ray
-    ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {k: os.environ[k] for k in (
-                 "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
-                 "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ}})
-    try:
-        from verl.experimental.agent_loop.agent_loop import AgentLoopManager
-        from verl.workers.rollout.llm_server import LLMServerManager
-        config = _config(model_dir, router_yaml, n, max_tokens)
-        servers = LLMServerManager.create(config)
-        client = servers.get_client()
-        manager = AgentLoopManager.create(config, llm_client=client)
-        before = {a: _successes(a) for a in servers.get_addresses()}
-        output = manager.generate_sequences(_batch(prompts, n))
-        after = {a: _successes(a) for a in servers.get_addresses()}
-        router = servers.global_load_balancer
-        status = ray.get(router.get_status.remote())
-        record = ray.get(router.__ray_call__.remote(_router_record))
-        responses = output.batch["responses"].tolist()
-        mask = output.batch["response_mask"].tolist()
-        lengths = [int(sum(m)) for m in mask]
-        return {
-            "router_class": ray.get(router.__ray_call__.remote(lambda self: type(self).__name__)),
-            "rows": len(responses), "lengths": lengths,
-            "served": {a: after[a] - before[a] for a in after},
-            "status": {k: status[k] for k in ("total_inflight", "queued", "load_source", "active_servers")},
-            "router": record,
-            "kv_capacity_tokens": {a: kv["capacity_tokens"] for a, kv in status["kv"].items()},
-            "greedy_siblings_equal": all(
-                responses[p * n + k] == responses[p * n] for p in range(prompts) for k in range(n)),
-        }
-    finally:
-        ray.shutdown()
+    status = ray.get(router.get_status.remote())
+    books = ray.get(router.__ray_call__.remote(_router_books))
+    return RouterRecord(router_class=ray.get(router.__ray_call__.remote(lambda self: type(self).__name__)),
+                        total_inflight=status["total_inflight"], queued=status["queued"],
+                        load_source=status["load_source"],
+                        kv_capacity_tokens={a: kv["capacity_tokens"] for a, kv in status["kv"].items()},
+                        **books)
 
 
 def _metric(address: str, name: str) -> dict:
@@ -124,7 +120,13 @@ def _metric(address: str, name: str) -> dict:
             if line.startswith(name)}
 
 
-def _counts(address: str) -> dict | None:
+@dataclass
+class ReplicaCounts:
+    finished: float           # vllm:request_success_total
+    kv_loaded_tokens: float   # vllm:external_prefix_cache_hits_total
+
+
+def _counts(address: str) -> ReplicaCounts | None:
     """Finished requests (aborted hops are not in vLLM's success counter: none showed up under
     finish reason "abort" in runs with moves) and KV tokens loaded through the connector, from
     one replica's /metrics (None where the replica no longer answers)."""
@@ -133,35 +135,61 @@ def _counts(address: str) -> dict | None:
         external = _metric(address, "vllm:external_prefix_cache_hits_total")
     except Exception:  # noqa: BLE001 - a dead replica's server
         return None
-    return {"finished": sum(success.values()), "kv_loaded_tokens": sum(external.values())}
+    return ReplicaCounts(finished=sum(success.values()), kv_loaded_tokens=sum(external.values()))
 
 
 def _delta(before: dict, after: dict) -> dict:
     return {a: (None if after[a] is None or before[a] is None else
-                {k: after[a][k] - before[a][k] for k in after[a]}) for a in after}
+                ReplicaCounts(finished=after[a].finished - before[a].finished,
+                              kv_loaded_tokens=after[a].kv_loaded_tokens - before[a].kv_loaded_tokens))
+            for a in after}
 
 
-def grpo_rollout_migrating(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int,
-                           store_dir: str, after_s: float, max_moves: int) -> dict:
+@dataclass
+class Rollout:
+    """One GRPO batch through ``AgentLoopManager``: rows in batch order."""
+
+    responses: list[list[int]]
+    log_probs: list[list[float]]
+    lengths: list[int]                          # response_mask sums
+    replicas: dict[str, ReplicaCounts | None]   # per server address, counted over this rollout
+    exports_left: list[str]
+
+
+@dataclass
+class Rollouts:
+    reference: Rollout     # verl's own client
+    router: RouterRecord   # right after the reference rollout
+    moved: Rollout         # migration forced on
+    destination_dies: Rollout   # the same with the one-shot fault armed
+    errored: dict[str, bool]    # per server address after the fault run
+    marker_consumed: bool       # a replica took the fault marker (received a KV load)
+    seconds: dict[str, float]   # per phase (Ray and servers start, each rollout): where the time went
+
+
+def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int,
+                  store_dir: str, after_s: float, max_moves: int) -> Rollouts:
     """Three rollouts of one GRPO batch through verl's own ``AgentLoopManager`` on the same two
     vLLM replicas (each with the migration connector through ``engine_kwargs.vllm.
-    kv_transfer_config``): verl's own client (reference); ``MigratingLLMServerClient`` moving
-    every hop still running after ``after_s`` s, up to ``max_moves`` times per request
-    (migration forced on); the same after arming the one-shot fault, so the first replica
-    that receives a KV load dies mid-migration."""
+    kv_transfer_config``): verl's own client (reference, and what its router recorded);
+    ``MigratingLLMServerClient`` moving every hop still running after ``after_s`` s, up to
+    ``max_moves`` times per request (migration forced on); the same after arming the one-shot
+    fault, so the first replica that receives a KV load dies mid-migration."""
     import json
 
     import ray
 
     from ascend_rl_plugins.features.rollout_rebalance import kv_migration
     from tests.features.rollout_rebalance import kv_migration_faults as faults
+    clock = PhaseClock()
     marker = os.path.join(store_dir, "die-on-next-load")
     env = {k: os.environ[k] for k in (
         "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
-        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ}
+        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND", "TORCH_COMPILE_DISABLE") if k in os.environ}
     env[faults.DIE_MARKER_ENV] = marker
     ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": env})
+    clock.lap("start Ray")
     try:
         from verl.experimental.agent_loop.agent_loop import AgentLoopManager
         from verl.workers.rollout.llm_server import LLMServerManager
@@ -169,6 +197,7 @@ def grpo_rollout_migrating(model_dir: str, router_yaml: str, prompts: int, n: in
         from ascend_rl_plugins.features.rollout_rebalance.verl_client import (
             MigratingLLMServerClient,
             TimedMigration,
+            engine_errored,
         )
         connector = kv_migration.kv_transfer_config(
             store_dir, connector_class="DyingOnceOnLoadConnector", module=faults.__name__)
@@ -177,30 +206,32 @@ def grpo_rollout_migrating(model_dir: str, router_yaml: str, prompts: int, n: in
         servers = LLMServerManager.create(config)
         addresses = servers.get_addresses()
         handles = {r.server_address: r.server_handle for r in servers.get_replicas()}
+        clock.lap("start two vLLM servers and the router")
 
-        def rollout(client) -> dict:
+        def rollout(client) -> Rollout:
             manager = AgentLoopManager.create(config, llm_client=client)
             before = {a: _counts(a) for a in addresses}
             output = manager.generate_sequences(_batch(prompts, n))
             after = {a: _counts(a) for a in addresses}
             mask = output.batch["response_mask"].tolist()
-            return {"responses": output.batch["responses"].tolist(),
-                    "log_probs": output.batch["rollout_log_probs"].tolist(),
-                    "lengths": [int(sum(m)) for m in mask],
-                    "replicas": _delta(before, after),
-                    "exports_left": kv_migration.KVExportStore(store_dir).keys()}
+            return Rollout(responses=output.batch["responses"].tolist(),
+                           log_probs=output.batch["rollout_log_probs"].tolist(),
+                           lengths=[int(sum(m)) for m in mask], replicas=_delta(before, after),
+                           exports_left=kv_migration.KVExportStore(store_dir).keys())
 
         reference = rollout(servers.get_client())
+        router = _router_record(servers.global_load_balancer)
+        clock.lap("reference rollout")
         policy = TimedMigration(after_s=after_s, max_moves=max_moves)
         moved = rollout(servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
                                            policy=policy, store_dir=store_dir))
+        clock.lap("moved rollout")
         open(marker, "w").close()
         dies = rollout(servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
                                           policy=policy, store_dir=store_dir))
-        from ascend_rl_plugins.features.rollout_rebalance.verl_client import engine_errored
         errored = {a: ray.get(h.__ray_call__.remote(engine_errored)) for a, h in handles.items()}
-        return {"reference": reference, "moved": moved, "destination_dies": dies, "errored": errored,
-                "marker_consumed": not os.path.exists(marker), "addresses": addresses,
-                "handles": sorted(handles)}
+        clock.lap("fault rollout")
+        return Rollouts(reference=reference, router=router, moved=moved, destination_dies=dies,
+                        errored=errored, marker_consumed=not os.path.exists(marker), seconds=clock.seconds)
     finally:
         ray.shutdown()
