@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.features.rollout_rebalance.test_router_verl_migration import ENV, pytestmark  # noqa: F401
+from tests.features.rollout_rebalance.conftest import GREEDY_ENV
+from tests.features.rollout_rebalance.test_router_verl_migration import pytestmark  # noqa: F401
 from tests.features.rollout_rebalance.verl_main_ppo_scenario import RESPONSE_LENGTH
 from tests.support.child import run_scenario
 
@@ -41,7 +42,7 @@ def runs():
     from ascend_rl_plugins.devtools import tiny_qwen3
     return run_scenario("tests.features.rollout_rebalance.verl_main_ppo_scenario",
                         "main_ppo_rollout_migrating", tiny_qwen3.cached(chatml=True), PROMPTS, N,
-                        env={**ENV, **FLAGS}, timeout=900)
+                        env={**{k: v for k, v in GREEDY_ENV.items() if k != "ASCEND_RL_AUTOLOAD"}, **FLAGS}, timeout=900)
 
 
 def _summary(run: dict) -> dict:
