@@ -380,10 +380,7 @@ def build(workdir: str) -> dict:
     g = torch.Generator().manual_seed(1)
     save_file({k: (v.float() + torch.randn(v.shape, generator=g) * 0.01).to(v.dtype) for k, v in a.items()},
               os.path.join(b_dir, "model.safetensors"))
-    for f in os.listdir(a_dir):
-        if not f.endswith(".safetensors") and os.path.isfile(os.path.join(a_dir, f)):
-            with open(os.path.join(a_dir, f), "rb") as src, open(os.path.join(b_dir, f), "wb") as dst:
-                dst.write(src.read())
+    tiny_qwen3.copy_model_files(a_dir, b_dir)
     shapes = checkpoint.linear_shapes(a)
     norm = {profile.norm_of(n): quant.power_of_two(torch.rand(s[1], generator=g) * 2 + 0.25)
             for n, s in shapes.items() if profile.norm_of(n)}

@@ -130,6 +130,18 @@ def write_moe_checkpoint(out_dir: str, tensors: dict) -> None:
               metadata={"format": "pt"})
 
 
+def copy_model_files(src_dir: str, out_dir: str) -> None:
+    """Every file of the model in ``src_dir`` except its weights (config, tokenizer, generation
+    config) into ``out_dir``: a second checkpoint of the same model with other weights needs
+    them, and vLLM / transformers read them from the weights' directory. ``cached``'s
+    completion marker stays behind."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(src_dir):
+        path = os.path.join(src_dir, name)
+        if not name.endswith(".safetensors") and name != ".done" and os.path.isfile(path):
+            shutil.copy(path, os.path.join(out_dir, name))
+
+
 def build_moe(out_dir: str, seed: int = 0, dtype: str = "bfloat16", **overrides) -> str:
     """A tiny Qwen3-MoE (every layer sparse, no shared expert) in ``out_dir``."""
     from transformers import Qwen3MoeConfig

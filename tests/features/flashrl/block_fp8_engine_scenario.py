@@ -20,7 +20,6 @@ MODEL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_
 
 
 def build_artifacts(workdir: str) -> dict:
-    import shutil
 
     import torch
     from safetensors.torch import save_file
@@ -40,9 +39,7 @@ def build_artifacts(workdir: str) -> dict:
          for n, t in a.items()}
     os.makedirs(paths["bf16_b"], exist_ok=True)
     save_file(b, os.path.join(paths["bf16_b"], "model.safetensors"), metadata={"format": "pt"})
-    for f in os.listdir(a_dir):
-        if not f.endswith(".safetensors") and os.path.isfile(os.path.join(a_dir, f)):
-            shutil.copy(os.path.join(a_dir, f), os.path.join(paths["bf16_b"], f))
+    tiny_qwen3.copy_model_files(a_dir, paths["bf16_b"])
     checkpoint.quantize_checkpoint_fp8_block(a_dir, paths["fp8_a"], fmt="fp8", scope="all")
     checkpoint.quantize_checkpoint_fp8_block(paths["bf16_b"], paths["fp8_b"], fmt="fp8", scope="all")
     config.write_config(paths["config"], config.RolloutConfig(fn="fp8_block", model=paths["fp8_a"]), append=False)

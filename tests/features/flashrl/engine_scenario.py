@@ -17,7 +17,6 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:"]
 
 
 def build_artifacts(workdir: str) -> dict:
-    import shutil
 
     import torch
     from safetensors.torch import save_file
@@ -46,9 +45,7 @@ def build_artifacts(workdir: str) -> dict:
         b[name] = (t.float() + noise).to(t.dtype)
     os.makedirs(paths["bf16_b"], exist_ok=True)
     save_file(b, os.path.join(paths["bf16_b"], "model.safetensors"), metadata={"format": "pt"})
-    for f in os.listdir(a_dir):
-        if not f.endswith(".safetensors") and os.path.isfile(os.path.join(a_dir, f)):
-            shutil.copy(os.path.join(a_dir, f), os.path.join(paths["bf16_b"], f))
+    tiny_qwen3.copy_model_files(a_dir, paths["bf16_b"])
     known = known_factors(a)
     shapes = checkpoint.linear_shapes(a)
     for src, dst in (("bf16_a", "int8_a"), ("bf16_b", "int8_b")):

@@ -23,7 +23,6 @@ GROUP_SIZE = 64
 
 
 def build_artifacts(workdir: str, group_size: int = GROUP_SIZE, **model_overrides) -> dict:
-    import shutil
 
     import torch
     from safetensors.torch import save_file
@@ -44,9 +43,7 @@ def build_artifacts(workdir: str, group_size: int = GROUP_SIZE, **model_override
          for n, t in a.items()}
     os.makedirs(paths["bf16_b"], exist_ok=True)
     save_file(b, os.path.join(paths["bf16_b"], "model.safetensors"), metadata={"format": "pt"})
-    for f in os.listdir(a_dir):
-        if not f.endswith(".safetensors") and os.path.isfile(os.path.join(a_dir, f)):
-            shutil.copy(os.path.join(a_dir, f), os.path.join(paths["bf16_b"], f))
+    tiny_qwen3.copy_model_files(a_dir, paths["bf16_b"])
     # the offline converter (`ascend-rl flashrl quantize --fn w4a16 --group-size G --scope all`)
     checkpoint.quantize_checkpoint_w4a16(a_dir, paths["w4_a"], group_size=group_size, scope="all", preset="ct")
     checkpoint.quantize_checkpoint_w4a16(paths["bf16_b"], paths["w4_b"], group_size=group_size, scope="all",

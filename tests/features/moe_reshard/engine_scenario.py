@@ -31,7 +31,6 @@ MAX_TOKENS = 16
 
 
 def prepare(workdir: str) -> dict:
-    import shutil
 
     import torch
     from safetensors.torch import load_file
@@ -49,9 +48,7 @@ def prepare(workdir: str) -> dict:
             noise = torch.randn(t.shape, generator=g) * (0.05 if "norm" in name else 0.02)
             b[name] = (t.float() + noise).to(t.dtype)
         tiny_qwen3.write_moe_checkpoint(w1, b)
-        for f in os.listdir(w0):
-            if not f.endswith(".safetensors") and os.path.isfile(os.path.join(w0, f)) and f != ".done":
-                shutil.copy(os.path.join(w0, f), os.path.join(w1, f))
+        tiny_qwen3.copy_model_files(w0, w1)
         open(os.path.join(w1, "done"), "w").close()
     return {"w0": w0, "w1": w1}
 

@@ -86,7 +86,6 @@ class Reference:
 
 def prepare(workdir: str) -> dict:
     """W0 (cached per machine) and W1 (module docstring) in ``workdir``."""
-    import shutil
 
     import torch
     from safetensors.torch import load_file
@@ -110,9 +109,7 @@ def prepare(workdir: str) -> dict:
             noise = torch.randn(t.shape, generator=g) * (0.05 if "norm" in name else 0.02)
             b[name] = (t.float() + noise).to(t.dtype)
     tiny_qwen3.write_moe_checkpoint(w1, b)
-    for f in os.listdir(w0):
-        if not f.endswith(".safetensors") and os.path.isfile(os.path.join(w0, f)) and f != ".done":
-            shutil.copy(os.path.join(w0, f), os.path.join(w1, f))
+    tiny_qwen3.copy_model_files(w0, w1)
     return {"w0": w0, "w1": w1}
 
 
