@@ -140,8 +140,8 @@ def main_ppo_rollout_migrating(model_dir: str, prompts: int, n: int) -> dict:
                 responses=output.batch["responses"].tolist(),
                 log_probs=output.batch["rollout_log_probs"].tolist(),
                 lengths=[int(sum(m)) for m in output.batch["response_mask"].tolist()],
-                finished={a: d["finished"] for a, d in delta.items()},
-                kv_loaded_tokens={a: d["kv_loaded_tokens"] for a, d in delta.items()},
+                finished={a: d.finished for a, d in delta.items()},
+                kv_loaded_tokens={a: d.kv_loaded_tokens for a, d in delta.items()},
                 router_bound=dict(new), router_inflight_after=ray.get(router.get_total_inflight.remote()),
                 exports_left=kv_migration.KVExportStore(store_dir).keys(),
                 client_class=workers[0]["client_class"], stats=[w["stats"] for w in workers])
