@@ -94,6 +94,18 @@ class ReplicaState:
     expected_tokens: float = 0.0  # sum of ``inflight``
     fresh_prompt_tokens: int = 0  # prompts bound here since its last KV report
 
+    def drop(self, request_id: str, group) -> float:
+        """The request leaves this replica (released, or moved away): its expected tokens and its
+        group's sibling count go with it (``group`` None: not counted in a group). Returns its
+        expected tokens."""
+        expected = self.inflight.pop(request_id)
+        self.expected_tokens = self.expected_tokens - expected if self.inflight else 0.0  # no float residue
+        if group is not None:
+            self.groups[group] -= 1
+            if self.groups[group] <= 0:
+                del self.groups[group]
+        return expected
+
     def projected_tokens(self) -> float:
         """Tokens it will hold: what its requests are expected to grow to, or what it reports
         holding now if that is more (its requests are longer than expected)."""
@@ -231,13 +243,7 @@ class RoutingPolicy:
         replica = self.replicas.get(server_id)
         start = self._started.pop(request_id, None) if request_id is not None else None
         if replica is not None and request_id in replica.inflight:
-            replica.expected_tokens -= replica.inflight.pop(request_id)
-            if start is not None:
-                replica.groups[start[1]] -= 1
-                if replica.groups[start[1]] <= 0:
-                    del replica.groups[start[1]]
-            if not replica.inflight:
-                replica.expected_tokens = 0.0  # no float residue
+            replica.drop(request_id, start[1] if start is not None else None)
         if start is not None:
             self.lengths.observe(start[1], now - start[0])
 
@@ -249,16 +255,13 @@ class RoutingPolicy:
         src, dst = self.replicas.get(source), self.replicas.get(destination)
         if src is None or dst is None or request_id not in src.inflight or source == destination:
             return False
-        expected = src.inflight.pop(request_id)
-        src.expected_tokens = src.expected_tokens - expected if src.inflight else 0.0
+        start = self._started.get(request_id)
+        group = start[1] if start is not None else None
+        expected = src.drop(request_id, group)
         dst.inflight[request_id] = expected
         dst.expected_tokens += expected
-        start = self._started.get(request_id)
-        if start is not None:
-            src.groups[start[1]] -= 1
-            if src.groups[start[1]] <= 0:
-                del src.groups[start[1]]
-            dst.groups[start[1]] += 1
+        if group is not None:
+            dst.groups[group] += 1
         if request_id in self.sticky:
             self.sticky[request_id] = destination
         return True
