@@ -264,6 +264,9 @@ class MigrationKVConnector(KVConnectorBase_V1):
         self._kv: dict[str, tuple[torch.Tensor, int]] = {}   # layer -> (tensor, block dim)
         self._sent: set[str] = set()
         self._load_errors: set[int] = set()
+        # request id -> tokens of its KV that are valid after its load failed (the blocks from
+        # this engine's own prefix cache); until vLLM finishes the request
+        self._failed_loads: dict[str, int] = {}
 
     # -- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
@@ -358,8 +361,20 @@ class MigrationKVConnector(KVConnectorBase_V1):
                             "are recomputed", job.key, job.request_id, exc)
                 self._load_errors.update(job.block_ids[job.first_block:
                                                        math.ceil(job.num_tokens / self.block_size)])
+                self._failed_loads[job.request_id] = job.first_block * self.block_size
 
     def _export(self, job: ExportJob) -> None:
+        """Copy the job's blocks into the store. A request whose load failed here exports only
+        the tokens before the failed blocks: vLLM 0.23 rolls back the computed-token count of
+        a request whose load failed only while it runs, and one aborted in that step (a move
+        ordered just then) reaches :meth:`request_finished` still counting the tokens it never
+        loaded, whose blocks hold whatever was there before."""
+        valid = self._failed_loads.pop(job.request_id, None)
+        if valid is not None and valid < len(job.tokens):
+            log.warning("ascend-rl kv_migration: %s failed to load; its export %s names %d of "
+                        "%d tokens", job.request_id, job.key, valid, len(job.tokens))
+            job = ExportJob(job.request_id, job.key, job.block_ids[:math.ceil(valid / self.block_size)],
+                            job.tokens[:valid])
         try:
             index = torch.tensor(job.block_ids, dtype=torch.long)
             tensors = {name: t.index_select(dim, index).clone() for name, (t, dim) in self._kv.items()}
@@ -396,6 +411,8 @@ class MigrationKVConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for request_id in finished_req_ids:   # their exports (if any) ran in this step
+            self._failed_loads.pop(request_id, None)
         sent, self._sent = self._sent, set()
         return (sent or None), None
 

@@ -195,21 +195,28 @@ class PlannedMigration:
         if missing:
             raise ValueError(f"PlannedMigration: capacities has no entry for replicas {missing}")
 
-    def views(self, live: list) -> list:
-        """The planner's input from the client's in-flight requests (live replicas only)."""
+    def views(self, live: list, in_flight: dict) -> list:
+        """The planner's input from the in-flight requests (live replicas only)."""
         expected = self.expected_tokens or (lambda r: float(r.max_tokens))
         views = {name: tail_policy.ReplicaView(name, self.capacities[name].kv_tokens,
                                                self.capacities[name].slots) for name in live}
-        for r in list(self._client.in_flight.values()):
+        for r in list(in_flight.values()):
             if r.replica in views:
                 views[r.replica].running.append(tail_policy.RequestView(
                     r.request_id, r.prompt_tokens, r.generated, expected(r)))
         return list(views.values())
 
-    def plan(self, live: list) -> list:
-        in_flight = self._client.in_flight
+    def plan(self, live: list, in_flight: dict | None = None) -> list:
+        """One plan over ``in_flight`` (request id -> :class:`InFlight`; None: the attached
+        client's), on the live replicas ``live``; the moves are also kept for ``__call__``.
+        A client that reads the replicas itself (verl's: ``verl_client``) passes what it read,
+        and ``capacities`` with it, and needs no :meth:`attach`."""
+        if in_flight is None:
+            if self._client is None:
+                raise RuntimeError("PlannedMigration.plan: no in_flight given and no client attached")
+            in_flight = self._client.in_flight
         longest = max((r.max_tokens for r in in_flight.values()), default=0)
-        moves = [m for m in tail_policy.plan_moves(self.views(live), self.step, self.transfer,
+        moves = [m for m in tail_policy.plan_moves(self.views(live, in_flight), self.step, self.transfer,
                                                    longest, self.settings)
                  if m.method != "queued"]
         self.rounds += 1

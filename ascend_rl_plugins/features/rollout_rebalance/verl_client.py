@@ -11,14 +11,17 @@ Each request runs as *hops* on verl's server actors (``vLLMHttpServer.generate``
   vLLM 0.23, which keys them by internal id), takes the partial tokens and log-probs verl's
   ``generate`` returns for an aborted request, waits for the export, and submits the rest to
   the destination with ``load_key``;
-- the export is deleted when the destination's hop returns (verl's ``generate`` reports no
-  earlier acknowledgement); if the destination's engine died first, the request resumes on
+- the export is deleted when the destination's hop has ended in its engine core: when it
+  returns finished, or, for a hop aborted there (vLLM's front end returns an aborted hop at
+  once, while its engine core may still be about to load the export), once the hop's own
+  export is written (``_keep_fuller``); verl's ``generate`` reports no earlier
+  acknowledgement. If the destination's engine died first, the request resumes on
   the export's source (or any live replica) from the export; a hop whose replica died with no
   export is re-prefilled on a live replica from the tokens received;
 - the caller's request is acquired from verl's router once and released once, on the replica
-  the router holds it on; each planned move is told to the router in between
-  (``move_request``, a method of this project's router, where the router has it), so its
-  per-replica load follows the move (forced moves are not told: see ``_tell_router``).
+  the router holds it on; each move is told to the router in between (``move_request``, a
+  method of this project's router, where the router has it), so its per-replica load follows
+  the move.
 
 Two policies: :class:`TimedMigration` (forced on: a hop still running after a delay moves) and
 :class:`.migration_client.PlannedMigration` (the live trigger, what ``ASCEND_RL_ROLLOUT_MIGRATION
@@ -39,6 +42,7 @@ import asyncio
 import logging
 import time
 import types
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import uuid4
@@ -157,7 +161,7 @@ class MigrationStats:
     loads: int = 0                # hops started with an export to load
     finished: int = 0             # requests this client returned
     router_told: int = 0          # moves the router accepted (move_request returned True)
-    moves: list = field(default_factory=list)   # MoveRecord of each planned move carried out
+    moves: list[MoveRecord] = field(default_factory=list)   # each planned move carried out
 
 
 class MigratingLLMServerClient(LLMServerClient):
@@ -272,13 +276,9 @@ class MigratingLLMServerClient(LLMServerClient):
             self._release_server(held[0], request_id=request_id)
 
     async def _tell_router(self, request_id: str, held: list, replica: str) -> None:
-        """The request now runs on ``replica``: move its load there in the router. Planned
-        moves only: with the forced ``TimedMigration`` (moves every fraction of a second, up to
-        8 per request) telling the router let it start queued requests at once, and 2 of 3
-        runs of its identity test then differed in one greedy row (cause not established;
-        README, "Not built")."""
-        if (replica == held[0] or not isinstance(self.policy, PlannedMigration)
-                or not hasattr(self._load_balancer, "move_request")):
+        """The request now runs on ``replica``: move its load there in the router (planned and
+        forced moves alike)."""
+        if replica == held[0] or not hasattr(self._load_balancer, "move_request"):
             return
         if await self._load_balancer.move_request.remote(request_id, held[0], replica):
             self.stats.router_told += 1
@@ -322,8 +322,7 @@ class MigratingLLMServerClient(LLMServerClient):
                                                  q.max_tokens or q.generated + 1, movable=False)
         self._foreign = foreign
         policy.capacities = {s: r.capacity for s, r in progress.items()}
-        policy._client = self
-        moves = policy.plan(list(progress))
+        moves = policy.plan(list(progress), self.in_flight)
         self.stats.rounds = policy.rounds
         self.stats.planned = policy.planned
         ordered = []
@@ -410,16 +409,16 @@ class MigratingLLMServerClient(LLMServerClient):
                 self._hop.pop(request_id, None)
                 order = self._orders.pop(request_id, None)
                 destination = order.destination if order is not None else None
-            if load_key is not None:   # the destination's hop returned: it held the request
-                store.delete(load_key)
-                load_key = load_source = None
             tokens += list(out.token_ids)
             if out.log_probs is not None:
                 log_probs += list(out.log_probs)
             aborted = out.stop_reason in ("aborted", "abort")
             if not (aborted and destination is not None) or len(tokens) >= budget:
-                if aborted:   # aborted by verl (or late): its export appears a step later
-                    asyncio.ensure_future(_drop_when_written(store, export_key, self.export_timeout_s))
+                if aborted:   # aborted by verl (or late): the engine core may still hold it
+                    asyncio.ensure_future(_drop_when_written(
+                        store, export_key, self.export_timeout_s, then=load_key))
+                elif load_key is not None:   # it ran to the end at the destination: loaded
+                    store.delete(load_key)
                 store.delete(export_key)
                 out.token_ids, out.log_probs = tokens, (log_probs if out.log_probs is not None else None)
                 if aborted and len(tokens) >= budget:
@@ -428,9 +427,10 @@ class MigratingLLMServerClient(LLMServerClient):
                 return out
             moves += 1
             self.stats.moved += 1
-            found = await _wait_export(store, export_key, self.export_timeout_s)
-            if found:
-                load_key, load_source = export_key, replica
+            found = await _wait_export(store, export_key, self.export_timeout_s,
+                                       source_alive=lambda source=replica: self._alive(source))
+            load_key, load_source = _keep_fuller(store, load_key, load_source,
+                                                 export_key if found else None, replica)
             if order is not None:
                 order.generated_at_abort, order.export_found = len(tokens), found
                 self.stats.moves.append(order)
@@ -441,17 +441,63 @@ async def _resolve(ref) -> Any:
     return await ref
 
 
-async def _drop_when_written(store: KVExportStore, key: str, timeout_s: float) -> None:
+async def _drop_when_written(store: KVExportStore, key: str, timeout_s: float,
+                             then: str | None = None) -> None:
+    """Delete the export ``key`` of an aborted hop once it is written, and then ``then``
+    (the export that hop loaded): the engine core has finished the hop by the time it writes
+    ``key``, so nothing loads ``then`` any more."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not store.delete(key):
         await asyncio.sleep(0.05)
+    if then is not None:
+        store.delete(then)
 
 
-async def _wait_export(store: KVExportStore, key: str, timeout_s: float) -> bool:
+def _keep_fuller(store: KVExportStore, old: str | None, old_source: str | None,
+                 new: str | None, new_source: str) -> tuple:
+    """After a moved hop's export ``new`` appeared (None: it did not), the export the next hop
+    loads: the one covering more tokens, the other deleted.
+
+    A hop is aborted in vLLM's front end, which returns it at once; its engine core may still
+    be about to load ``old`` (scheduled in a step that has not run yet). ``old`` is dropped only
+    after ``new`` appeared: the engine core writes ``new`` after that step, so no load of
+    ``old`` is pending then. (Dropped on the hop's return instead, such a load found no
+    export, and vLLM 0.23 kept the aborted request's computed-token count: the next export
+    named tokens whose KV was never loaded, and the request went on from garbage KV.) ``new``
+    covers fewer tokens where the hop never ran (an empty export: it waited in the queue)."""
+    if new is None:
+        return old, old_source
+    if old is None:
+        return new, new_source
+    new_header, old_header = store.header(new), store.header(old)
+    if old_header is not None and (new_header is None or len(old_header.tokens) > len(new_header.tokens)):
+        store.delete(new)
+        return old, old_source
+    store.delete(old)
+    return new, new_source
+
+
+# while an export is awaited, how often the source's engine is asked whether it died (an
+# export appears within milliseconds on a live one: a dead one would hold the request for the
+# whole timeout)
+SOURCE_CHECK_S = 0.5
+
+
+async def _wait_export(store: KVExportStore, key: str, timeout_s: float,
+                       source_alive: Callable[[], Awaitable[bool]] | None = None) -> bool:
+    """Wait for the aborted hop's export; False on timeout or as soon as ``source_alive`` says
+    its engine died (the destination re-prefills, or resumes from the export loaded before)."""
     deadline = time.monotonic() + timeout_s
+    next_check = time.monotonic() + SOURCE_CHECK_S
     while time.monotonic() < deadline:
         if store.exists(key):
             return True
+        if source_alive is not None and time.monotonic() >= next_check:
+            if not await source_alive():
+                log.warning("ascend-rl migration: export %s: its engine died before writing it",
+                            key)
+                return False
+            next_check = time.monotonic() + SOURCE_CHECK_S
         await asyncio.sleep(0.005)
     log.warning("ascend-rl migration: export %s did not appear within %.0f s; the destination "
                 "re-prefills", key, timeout_s)

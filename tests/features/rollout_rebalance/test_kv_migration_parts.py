@@ -138,6 +138,18 @@ def test_planned_policy_skips_a_move_whose_request_left_its_source():
     assert policy(_progress(client, "r4", replica="B")) is None and policy.started == 0
 
 
+def test_planned_policy_plans_over_requests_a_client_read_itself():
+    """verl's client reads the replicas itself and hands the policy what it read: the same
+    plan as from an attached client's bookkeeping, and no attach needed."""
+    import dataclasses
+    client, attached, _ = _planned_client()
+    expected = attached.plan(["A", "B"])
+    fresh = dataclasses.replace(attached, rounds=0, planned=0, _client=None, _pending={})
+    assert fresh.plan(["A", "B"], client.in_flight) == expected and fresh.rounds == 1
+    with pytest.raises(RuntimeError, match="no in_flight given and no client attached"):
+        fresh.plan(["A", "B"])
+
+
 def test_planned_policy_and_flags_reject_bad_input():
     from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
         MigratingClient,
@@ -180,3 +192,83 @@ def test_a_request_id_already_in_flight_is_refused():
     with pytest.raises(ValueError, match="request_id 'r0' is already in flight"):
         asyncio.run(client.generate("r0", [1, 2, 3], None, "A"))
     assert "r0" in client.in_flight   # the running one's record is kept
+
+
+def _worker_connector(km, store_dir: str, blocks: int = 8, block_size: int = 16):
+    """The shipped connector in vLLM's worker role, built from a real ``VllmConfig`` and
+    ``KVCacheConfig``, over one KV tensor (block dimension first, as vLLM 0.23's CPU
+    attention lays it out)."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    config = VllmConfig(cache_config=CacheConfig(block_size=block_size),
+                        kv_transfer_config=KVTransferConfig(**km.kv_transfer_config(store_dir)))
+    connector = km.MigrationKVConnector(config, KVConnectorRole.WORKER,
+                                        KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[],
+                                                      kv_cache_groups=[]))
+    kv = torch.arange(blocks * 2 * block_size * 4, dtype=torch.float32).reshape(blocks, 2, block_size, 4)
+    connector.register_kv_caches({"layer0": kv})
+    return connector
+
+
+def _step(connector, meta, finished=()):
+    """One engine step of the worker-side connector: load/export, then what vLLM collects."""
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv(None)
+    done = connector.get_finished(set(finished))
+    errors = connector.get_block_ids_with_load_errors()
+    connector.clear_connector_metadata()
+    return done, errors
+
+
+def test_an_export_after_a_failed_load_names_only_the_kv_it_holds(km, tmp_path):
+    """A request whose load failed (its export gone) and that is aborted before vLLM recomputes
+    it reaches request_finished still counting the tokens it never loaded: its export must not
+    name them (the next destination would decode on from whatever those blocks held)."""
+    store = km.KVExportStore(str(tmp_path))
+    connector = _worker_connector(km, str(tmp_path))
+    tokens = list(range(40))
+    # step 1: a load of a gone export into blocks 5 and 6 (block 4 from the prefix cache)
+    meta = km.MigrationConnectorMetadata(loads=[km.LoadJob("hop-1", "gone", [4, 5, 6], 1, 39)])
+    _, errors = _step(connector, meta)
+    assert errors == {5, 6}          # vLLM is told (recompute policy)
+    # step 2: the hop is aborted: its export names only the 16 tokens of the prefix-cache block
+    meta = km.MigrationConnectorMetadata(exports=[km.ExportJob("hop-1", "k1", [4, 5, 6], tokens)])
+    (sent, _), _ = _step(connector, meta, finished={"hop-1"})
+    assert sent == {"hop-1"}
+    header, blocks = store.read("k1")
+    assert header.tokens == tokens[:16] and blocks["layer0"].shape[0] == 1
+    # a request whose load succeeded exports everything it computed
+    source = _worker_connector(km, str(tmp_path))
+    _step(source, km.MigrationConnectorMetadata(exports=[km.ExportJob("a", "k2", [1, 2, 3], tokens)]),
+          finished={"a"})
+    _, errors = _step(connector, km.MigrationConnectorMetadata(
+        loads=[km.LoadJob("hop-2", "k2", [0, 6, 7], 0, 39)]))
+    assert errors is None or errors == set()
+    _step(connector, km.MigrationConnectorMetadata(exports=[km.ExportJob("hop-2", "k3", [0, 6, 7], tokens)]),
+          finished={"hop-2"})
+    assert store.header("k3").tokens == tokens
+    assert connector._failed_loads == {}     # nothing kept past the request's end
+
+
+def test_a_moved_hop_keeps_the_fuller_export_and_drops_the_other(km, tmp_path):
+    """verl's client after an aborted hop: the new export replaces the one the hop loaded
+    unless the hop never ran (an empty export); neither is deleted before the new one is
+    written (the engine core may still be about to load the old one)."""
+    pytest.importorskip("verl.workers.rollout.llm_server", reason="verl 0.9's client")
+    from ascend_rl_plugins.features.rollout_rebalance.verl_client import _keep_fuller
+    store = km.KVExportStore(str(tmp_path))
+
+    def export(key, n):
+        store.write(key, km.ExportHeader(list(range(n)), 16, {}), {})
+
+    export("old", 30)
+    export("empty", 0)
+    assert _keep_fuller(store, "old", "A", "empty", "B") == ("old", "A")
+    assert store.keys() == ["old"]
+    export("new", 31)
+    assert _keep_fuller(store, "old", "A", "new", "B") == ("new", "B")
+    assert store.keys() == ["new"]
+    assert _keep_fuller(store, "new", "B", None, "A") == ("new", "B")   # no export appeared
+    assert _keep_fuller(store, None, None, "new", "A") == ("new", "A")

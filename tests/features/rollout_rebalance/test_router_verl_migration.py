@@ -15,8 +15,9 @@ replica that receives a KV load exits mid-migration).
 Checked: responses and rollout log-probs identical to the reference in both migrating runs;
 every request finished exactly once (vLLM's own finished counters, which count no abort);
 moves happened with KV (KV tokens loaded through the connector at the destinations: vLLM's
-``external_prefix_cache_hits``); no export left; in the fault run the
-armed replica died and nothing was lost.
+``external_prefix_cache_hits``); every move told to the router (``move_request``), whose
+books are empty afterwards; no export left; in the fault run the armed replica died and
+nothing was lost.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def runs(verl_rollouts):
 
 def summary(runs) -> dict:
     """The figures the README quotes."""
-    return {name: {"replicas": getattr(runs, name).replicas, "exports_left": getattr(runs, name).exports_left}
+    return {name: {"replicas": getattr(runs, name).replicas, "exports_left": getattr(runs, name).exports_left,
+                   "moved": getattr(runs, name).moved, "router_told": getattr(runs, name).router_told}
             for name in ("reference", "moved", "destination_dies")} | {"errored": runs.errored}
 
 
@@ -56,6 +58,7 @@ def test_reference_rollout_answers_every_request_once(runs):
     assert ref.lengths == [TOKENS] * PROMPTS * N, ref.lengths
     assert _finished(ref) == PROMPTS * N, ref.replicas
     assert all(c.kv_loaded_tokens == 0 for c in ref.replicas.values()), ref.replicas
+    assert ref.router_inflight_after == 0 and ref.moved == 0, ref
 
 
 def test_migration_forced_on_gives_identical_responses_and_log_probs(runs):
@@ -68,6 +71,8 @@ def test_migration_forced_on_gives_identical_responses_and_log_probs(runs):
     # external_prefix_cache_hits); a move with nothing computed yet loads nothing
     assert sum(c.kv_loaded_tokens for c in moved.replicas.values()) > 0, moved.replicas
     assert moved.exports_left == [], moved
+    # every move was told to the router, and each request left its books once, where it ended
+    assert moved.router_told == moved.moved > 0 and moved.router_inflight_after == 0, moved
 
 
 def test_replica_dying_mid_migration_loses_no_request(runs):
@@ -80,3 +85,5 @@ def test_replica_dying_mid_migration_loses_no_request(runs):
     # the survivor finished what it ran; the dead replica's counters may be unreadable
     assert dies.replicas[live[0]].finished >= 1, dies.replicas
     assert dies.exports_left == [], dies
+    # every move told, and so is every failover to the survivor (not a move)
+    assert dies.router_told >= dies.moved and dies.router_inflight_after == 0, dies

@@ -28,7 +28,11 @@ import pytest
 
 from tests.features.rollout_rebalance.conftest import GREEDY_ENV
 from tests.features.rollout_rebalance.test_router_verl_migration import pytestmark  # noqa: F401
-from tests.features.rollout_rebalance.verl_main_ppo_scenario import RESPONSE_LENGTH
+from tests.features.rollout_rebalance.verl_main_ppo_scenario import (
+    RESPONSE_LENGTH,
+    MainPpoMigration,
+    Rollout,
+)
 from tests.support.child import run_scenario
 
 PROMPTS, N = 3, 4
@@ -38,74 +42,78 @@ FLAGS = {"ASCEND_RL_ROLLOUT_MIGRATION": "planned", "ASCEND_RL_ROLLOUT_MIGRATION_
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs() -> MainPpoMigration:
     from ascend_rl_plugins.devtools import tiny_qwen3
     return run_scenario("tests.features.rollout_rebalance.verl_main_ppo_scenario",
                         "main_ppo_rollout_migrating", tiny_qwen3.cached(chatml=True), PROMPTS, N,
-                        env={**{k: v for k, v in GREEDY_ENV.items() if k != "ASCEND_RL_AUTOLOAD"}, **FLAGS}, timeout=900)
+                        env={**{k: v for k, v in GREEDY_ENV.items() if k != "ASCEND_RL_AUTOLOAD"}, **FLAGS},
+                        timeout=900, returns=MainPpoMigration)
 
 
-def _summary(run: dict) -> dict:
-    return {k: run[k] for k in ("lengths", "finished", "kv_loaded_tokens", "router_bound",
-                                "router_inflight_after", "client_class")} | {
-        "stats": [{k: v for k, v in (s or {}).items() if k != "moves"} for s in run["stats"]]}
+def _summary(run: Rollout) -> dict:
+    """What a failure shows: the rollout's counts and each worker's stats without its moves."""
+    return {"lengths": run.lengths, "finished": run.finished, "kv_loaded_tokens": run.kv_loaded_tokens,
+            "router_bound": run.router_bound, "router_inflight_after": run.router_inflight_after,
+            "client_class": run.client_class,
+            "stats": [None if s is None else {k: v for k, v in vars(s).items() if k != "moves"}
+                      for s in run.stats]}
 
 
-def _total(run: dict, key: str) -> int:
-    return sum(s[key] for s in run["stats"])
+def _total(run: Rollout, counter: str) -> int:
+    return sum(getattr(s, counter) for s in run.stats)
 
 
 def test_reference_is_verl_unchanged_and_has_a_tail(runs):
-    ref = runs["reference"]
-    print("main_ppo migration:", {"reference": _summary(ref), "migrated": _summary(runs["migrated"])})
-    assert ref["client_class"] == "LLMServerClient", ref["client_class"]
-    assert sum(ref["finished"].values()) == PROMPTS * N, ref["finished"]
+    ref = runs.reference
+    print("main_ppo migration:", {"reference": _summary(ref), "migrated": _summary(runs.migrated)})
+    assert ref.client_class == "LLMServerClient", ref.client_class
+    assert sum(ref.finished.values()) == PROMPTS * N, ref.finished
     # the short prompt's group runs the whole budget, the long prompts' groups stop earlier
-    assert ref["lengths"][:N] == [RESPONSE_LENGTH] * N, ref["lengths"]
-    assert max(ref["lengths"][N:]) < RESPONSE_LENGTH, ref["lengths"]
-    assert all(v == 0 for v in ref["kv_loaded_tokens"].values()), ref["kv_loaded_tokens"]
+    assert ref.lengths[:N] == [RESPONSE_LENGTH] * N, ref.lengths
+    assert max(ref.lengths[N:]) < RESPONSE_LENGTH, ref.lengths
+    assert all(v == 0 for v in ref.kv_loaded_tokens.values()), ref.kv_loaded_tokens
 
 
 def test_the_manager_line_and_the_flag_put_the_migrating_client_in_the_agent_loop(runs):
-    migrated = runs["migrated"]
-    assert runs["manager_class"] == "MigratingAgentLoopManager"
-    assert migrated["client_class"] == "MigratingLLMServerClient", migrated["client_class"]
-    assert len(migrated["stats"]) == 2 and _total(migrated, "finished") == PROMPTS * N, _summary(migrated)
+    migrated = runs.migrated
+    assert runs.manager_class == "MigratingAgentLoopManager"
+    assert migrated.client_class == "MigratingLLMServerClient", migrated.client_class
+    assert len(migrated.stats) == 2 and _total(migrated, "finished") == PROMPTS * N, _summary(migrated)
 
 
 def test_planned_moves_ran_with_kv(runs):
-    migrated = runs["migrated"]
+    migrated = runs.migrated
     summary = _summary(migrated)
     assert _total(migrated, "rounds") > 0 and _total(migrated, "ordered") > 0, summary
     assert _total(migrated, "moved") > 0 and _total(migrated, "loads") > 0, summary
-    assert sum(migrated["kv_loaded_tokens"].values()) > 0, summary   # loaded through the connector
-    assert migrated["exports_left"] == [], migrated["exports_left"]
+    assert sum(migrated.kv_loaded_tokens.values()) > 0, summary   # loaded through the connector
+    assert migrated.exports_left == [], migrated.exports_left
 
 
 def test_the_planner_saw_live_generated_counts(runs):
-    moves = [m for s in runs["migrated"]["stats"] for m in s["moves"]]
-    assert moves, _summary(runs["migrated"])
+    moves = [m for s in runs.migrated.stats for m in s.moves]
+    assert moves, _summary(runs.migrated)
     for m in moves:   # never more than the hop returned once aborted (the count is exact, not ahead)
-        assert m["tokens_before_hop"] <= m["generated_at_plan"] <= m["generated_at_abort"], m
+        assert m.tokens_before_hop <= m.generated_at_plan <= m.generated_at_abort, m
     # tokens of a hop still running: what verl's non-streaming generate could not have told
-    assert any(m["generated_at_plan"] > m["tokens_before_hop"] for m in moves), moves
+    assert any(m.generated_at_plan > m.tokens_before_hop for m in moves), moves
 
 
 def test_responses_and_log_probs_identical_and_each_request_finished_once(runs):
-    ref, migrated = runs["reference"], runs["migrated"]
-    assert migrated["responses"] == ref["responses"]
-    assert migrated["log_probs"] == ref["log_probs"]
-    assert migrated["lengths"] == ref["lengths"]
-    assert sum(migrated["finished"].values()) == PROMPTS * N, migrated["finished"]
+    ref, migrated = runs.reference, runs.migrated
+    assert migrated.responses == ref.responses
+    assert migrated.log_probs == ref.log_probs
+    assert migrated.lengths == ref.lengths
+    assert sum(migrated.finished.values()) == PROMPTS * N, migrated.finished
 
 
 def test_the_router_followed_every_move(runs):
-    migrated = runs["migrated"]
+    migrated = runs.migrated
     assert _total(migrated, "router_told") == _total(migrated, "moved"), _summary(migrated)
-    assert migrated["router_inflight_after"] == 0
-    finished = {a: n for a, n in migrated["finished"].items() if n}
-    assert migrated["router_bound"] == finished, _summary(migrated)
+    assert migrated.router_inflight_after == 0
+    finished = {a: n for a, n in migrated.finished.items() if n}
+    assert migrated.router_bound == finished, _summary(migrated)
 
 
 def test_verl_own_router_is_refused_with_the_line_to_add(runs):
-    assert "router_config_path=" in runs["refusal_on_verl_router"], runs["refusal_on_verl_router"]
+    assert "router_config_path=" in runs.refusal_on_verl_router, runs.refusal_on_verl_router

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from ascend_rl_plugins.features.rollout_rebalance.verl_client import MigrationStats
 
 from tests.features.rollout_rebalance.verl_rollout_scenario import (
     REPLICAS,
@@ -56,7 +58,7 @@ class Rollout:
     router_inflight_after: int
     exports_left: list
     client_class: str = ""
-    stats: list = field(default_factory=list)   # per agent-loop worker: MigrationStats as a dict
+    stats: list[MigrationStats | None] = field(default_factory=list)   # per agent-loop worker
 
 
 @dataclass
@@ -104,14 +106,22 @@ def _router_books(router) -> dict:
     return dict(router._policy.sticky)
 
 
-def _worker_stats(worker) -> dict:
+@dataclass
+class WorkerClient:
+    """What one agent-loop worker's client is, and its migration stats (None: verl's own)."""
+
+    client_class: str
+    stats: MigrationStats | None
+
+
+def _worker_stats(worker) -> WorkerClient:
     """Inside an agent-loop worker: its client's class and migration stats."""
     client = worker.llm_client
     stats = getattr(client, "stats", None)
-    return {"client_class": type(client).__name__, "stats": asdict(stats) if stats is not None else None}
+    return WorkerClient(type(client).__name__, stats)
 
 
-def main_ppo_rollout_migrating(model_dir: str, prompts: int, n: int) -> dict:
+def main_ppo_rollout_migrating(model_dir: str, prompts: int, n: int) -> MainPpoMigration:
     import ray
     ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {k: os.environ[k] for k in ENV_KEYS if k in os.environ}})
@@ -144,7 +154,7 @@ def main_ppo_rollout_migrating(model_dir: str, prompts: int, n: int) -> dict:
                 kv_loaded_tokens={a: d.kv_loaded_tokens for a, d in delta.items()},
                 router_bound=dict(new), router_inflight_after=ray.get(router.get_total_inflight.remote()),
                 exports_left=kv_migration.KVExportStore(store_dir).keys(),
-                client_class=workers[0]["client_class"], stats=[w["stats"] for w in workers])
+                client_class=workers[0].client_class, stats=[w.stats for w in workers])
 
         default = verl_manager.default_manager_class(config)
         reference = rollout(default.create(config=config, llm_client=servers.get_client()))
@@ -159,6 +169,6 @@ def main_ppo_rollout_migrating(model_dir: str, prompts: int, n: int) -> dict:
             refusal = ""
         except ValueError as exc:
             refusal = str(exc)
-        return asdict(MainPpoMigration(manager_cls.__name__, reference, migrated, refusal, addresses))
+        return MainPpoMigration(manager_cls.__name__, reference, migrated, refusal, addresses)
     finally:
         ray.shutdown()

@@ -126,6 +126,12 @@ class ReplicaCounts:
     kv_loaded_tokens: float   # vllm:external_prefix_cache_hits_total
 
 
+def _moves(worker) -> tuple[int, int]:
+    """Inside an agent-loop worker: its client's moves and the moves its router accepted."""
+    stats = getattr(worker.llm_client, "stats", None)
+    return (stats.moved, stats.router_told) if stats is not None else (0, 0)
+
+
 def _counts(address: str) -> ReplicaCounts | None:
     """Finished requests (aborted hops are not in vLLM's success counter: none showed up under
     finish reason "abort" in runs with moves) and KV tokens loaded through the connector, from
@@ -154,6 +160,9 @@ class Rollout:
     lengths: list[int]                          # response_mask sums
     replicas: dict[str, ReplicaCounts | None]   # per server address, counted over this rollout
     exports_left: list[str]
+    router_inflight_after: int   # requests the router still counts in flight after the rollout
+    moved: int                   # hops the migrating clients moved (0 with verl's client)
+    router_told: int             # moves the router accepted (move_request)
 
 
 @dataclass
@@ -214,10 +223,13 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
             output = manager.generate_sequences(_batch(prompts, n))
             after = {a: _counts(a) for a in addresses}
             mask = output.batch["response_mask"].tolist()
+            moves = [ray.get(w.__ray_call__.remote(_moves)) for w in manager.agent_loop_workers]
             return Rollout(responses=output.batch["responses"].tolist(),
                            log_probs=output.batch["rollout_log_probs"].tolist(),
                            lengths=[int(sum(m)) for m in mask], replicas=_delta(before, after),
-                           exports_left=kv_migration.KVExportStore(store_dir).keys())
+                           exports_left=kv_migration.KVExportStore(store_dir).keys(),
+                           router_inflight_after=ray.get(servers.global_load_balancer.get_total_inflight.remote()),
+                           moved=sum(m for m, _ in moves), router_told=sum(t for _, t in moves))
 
         reference = rollout(servers.get_client())
         router = _router_record(servers.global_load_balancer)
