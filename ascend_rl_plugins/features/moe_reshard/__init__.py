@@ -38,7 +38,8 @@ from ...patching import Feature, Verified
 from .cli import register_cli  # noqa: F401  (``ascend-rl moe-reshard ...``)
 
 __all__ = ["FEATURE", "MODE", "BUCKET_MB", "POST_LOAD", "register_cli", "reshard_requested", "bucket_bytes",
-           "verl09_config_lines", "BACKEND", "BACKEND_MODULE"]
+           "verl09_config_lines", "BACKEND", "BACKEND_MODULE",
+           "WORKER_EXTENSION"]
 
 MODES = ("off", "auto", "on")
 
@@ -125,6 +126,8 @@ REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the e
 VERL09 = ">=0.9,<0.10"
 BACKEND = "ascend_rl_alltoallv"
 BACKEND_MODULE = "ascend_rl_plugins.features.moe_reshard.verl09_backend"
+# verl's vLLM worker extension plus the method that reports a worker's live expert map (verl09_rollout.py)
+WORKER_EXTENSION = "ascend_rl_plugins.features.moe_reshard.verl09_worker.ReshardWorkerExtension"
 
 
 def verl09_config_lines() -> list[str]:
@@ -135,7 +138,9 @@ def verl09_config_lines() -> list[str]:
             f"{key}.custom_backend_module={BACKEND_MODULE}",
             f"+{key}.engine_kwargs.{BACKEND}.replica_world_size=<vLLM workers per rollout replica>",
             f"+{key}.engine_kwargs.{BACKEND}.expert_placement=linear  (or round_robin: vLLM's "
-            "expert_placement_strategy)"]
+            "expert_placement_strategy)",
+            f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={WORKER_EXTENSION}  (live "
+            "expert maps at every sync)"]
 
 
 FEATURE.does_not_apply(
