@@ -137,7 +137,8 @@ def _where(worker) -> dict:
     reader = engine.live_expert_map
     refused = ""
     try:
-        dataclasses.replace(reader, method="ascend_rl_not_a_worker_method")()
+        if reader is not None:
+            dataclasses.replace(reader, method="ascend_rl_not_a_worker_method")()
     except PlanError as exc:
         refused = str(exc)
     return {"worker_class": type(worker).__name__, "backend_class": type(engine).__name__,
