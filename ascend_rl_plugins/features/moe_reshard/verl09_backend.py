@@ -17,9 +17,11 @@ What it does per sync, on every rank of that group together:
 
 1. *Vote* (``agreement.decide`` over this group): each trainer rank reads its layout and local
    expert shards from the training engine (Megatron-Core's ``parallel_state``, the model chunks),
-   each rollout rank its expert map, read at this sync from the live engine where the engine's
-   holder attached a reader (``live_expert_map``, e.g. ``vllm_side.LiveRollout``), else vLLM's
-   placement rule for its replica (:class:`Options`); any
+   each rollout rank its expert map, read at this sync from the live engine -- a reader the
+   engine's holder attached (``live_expert_map``, e.g. ``vllm_side.LiveRollout``), or, inside
+   verl's ``CheckpointEngineWorker``, its vLLM worker through the node's server
+   (``verl09_rollout``) -- else (``expert_maps=config`` or no Ray deployment) vLLM's placement
+   rule for its replica (:class:`Options`); any
    reason on any rank -- the trainer was handed an HF export instead of the engine, experts the
    planner cannot read, a layout Megatron numbers differently -- is every rank's reason.
 2. *Plan*: every rank builds the same plan from the gathered votes: training ranks

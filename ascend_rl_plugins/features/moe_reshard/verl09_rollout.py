@@ -93,7 +93,7 @@ class ServerExpertMaps:
         names = sorted(n for n in ray.util.list_named_actors() if SERVER_NAME.match(n))
         for name in names:
             server = ray.get_actor(name)
-            index = ray.get(server.__ray_call__.remote(_index_of, me))
+            index = ray.get(server.__ray_call__.remote(_index_of, me), timeout=cls.timeout_s)
             if index >= 0:
                 return cls(server, name, index)
         raise PlanError(f"this checkpoint-engine worker is listed by none of verl's vLLM servers {names} "
