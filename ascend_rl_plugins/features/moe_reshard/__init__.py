@@ -38,7 +38,8 @@ from ...patching import Feature, Verified
 from .cli import register_cli  # noqa: F401  (``ascend-rl moe-reshard ...``)
 
 __all__ = ["FEATURE", "MODE", "BUCKET_MB", "POST_LOAD", "register_cli", "reshard_requested", "bucket_bytes",
-           "verl09_config_lines", "BACKEND", "BACKEND_MODULE"]
+           "verl09_config_lines", "BACKEND", "BACKEND_MODULE",
+           "WORKER_EXTENSION"]
 
 MODES = ("off", "auto", "on")
 
@@ -99,7 +100,10 @@ FEATURE = Feature(
                     "CPU engines behind 2 rollout ranks (Megatron-Core EP2 trainers): loaded through vLLM's "
                     "layerwise reload, every parameter and greedy token equal to an engine started on the "
                     "weights, expert maps read from the live engines at each sync (a sync keyed on the "
-                    "configured map leaves experts stale and changes generations; the live one re-plans); verl 0.9.1's "
+                    "configured map leaves experts stale and changes generations; the live one re-plans); in a "
+                    "real verl 0.9.1 deployment on Ray (LLMServerManager, CheckpointEngineWorker, vLLMHttpServer "
+                    "with the feature's vLLM worker extension) the rollout rank votes its vLLM worker's live map "
+                    "at every sync and receives exactly those experts; verl 0.9.1's "
                     "real ActorRolloutRefWorker.update_weights hands the backend the training engine with "
                     "the patch. verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
                     "Megatron-Core 0.12.1 MoE model "
@@ -125,6 +129,8 @@ REMOVE_WHEN = ("verl's Megatron weight export sends each rollout rank only the e
 VERL09 = ">=0.9,<0.10"
 BACKEND = "ascend_rl_alltoallv"
 BACKEND_MODULE = "ascend_rl_plugins.features.moe_reshard.verl09_backend"
+# verl's vLLM worker extension plus the method that reports a worker's live expert map (verl09_rollout.py)
+WORKER_EXTENSION = "ascend_rl_plugins.features.moe_reshard.verl09_worker.ReshardWorkerExtension"
 
 
 def verl09_config_lines() -> list[str]:
@@ -135,7 +141,9 @@ def verl09_config_lines() -> list[str]:
             f"{key}.custom_backend_module={BACKEND_MODULE}",
             f"+{key}.engine_kwargs.{BACKEND}.replica_world_size=<vLLM workers per rollout replica>",
             f"+{key}.engine_kwargs.{BACKEND}.expert_placement=linear  (or round_robin: vLLM's "
-            "expert_placement_strategy)"]
+            "expert_placement_strategy)",
+            f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={WORKER_EXTENSION}  (live "
+            "expert maps at every sync)"]
 
 
 FEATURE.does_not_apply(

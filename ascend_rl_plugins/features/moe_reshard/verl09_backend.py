@@ -17,9 +17,11 @@ What it does per sync, on every rank of that group together:
 
 1. *Vote* (``agreement.decide`` over this group): each trainer rank reads its layout and local
    expert shards from the training engine (Megatron-Core's ``parallel_state``, the model chunks),
-   each rollout rank its expert map, read at this sync from the live engine where the engine's
-   holder attached a reader (``live_expert_map``, e.g. ``vllm_side.LiveRollout``), else vLLM's
-   placement rule for its replica (:class:`Options`); any
+   each rollout rank its expert map, read at this sync from the live engine -- a reader the
+   engine's holder attached (``live_expert_map``, e.g. ``vllm_side.LiveRollout``), or, inside
+   verl's ``CheckpointEngineWorker``, its vLLM worker through the node's server
+   (``verl09_rollout``) -- else (``expert_maps=config`` or no Ray deployment) vLLM's placement
+   rule for its replica (:class:`Options`); any
    reason on any rank -- the trainer was handed an HF export instead of the engine, experts the
    planner cannot read, a layout Megatron numbers differently -- is every rank's reason.
 2. *Plan*: every rank builds the same plan from the gathered votes: training ranks
@@ -67,6 +69,7 @@ from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_nam
 from .planner import PlanError
 
 PLACEMENTS = ("linear", "round_robin")
+EXPERT_MAPS = ("auto", "live", "config")
 # registered backends that cannot stand in for this one: itself; "naive" (verl's colocated path, no
 # checkpoint-engine group: the manager never calls a backend for it); "delta_sharded" (its
 # rollout side speaks the "delta_flush" wire format, which verl reads off this backend's class)
@@ -92,13 +95,19 @@ class Options:
     ``fallback_backend``: the verl checkpoint-engine backend every rank delegates the whole sync
     to when the reshard cannot run (the backend the user would otherwise have, e.g. ``nccl``,
     which on an NPU build of verl is its HCCL engine), built from ``fallback_kwargs`` through
-    verl's registry; unset, the fallback is this backend's own broadcast of the whole export."""
+    verl's registry; unset, the fallback is this backend's own broadcast of the whole export;
+    ``expert_maps``: where a rollout rank's expert map comes from at each sync -- ``live`` from
+    the live engine (a reader its holder attached, else, inside verl's ``CheckpointEngineWorker``,
+    its vLLM worker through the node's server: ``verl09_rollout``; a refusal where neither
+    exists), ``config`` the placement rule above, ``auto`` (default) live wherever a live engine
+    can be reached and the rule outside a Ray deployment."""
     replica_world_size: int = 1
     expert_placement: str = "linear"
     master_address: str | None = None
     timeout_s: float = 1800.0
     fallback_backend: str | None = None
     fallback_kwargs: dict = dataclasses.field(default_factory=dict)
+    expert_maps: str = "auto"
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "Options":
@@ -114,6 +123,9 @@ class Options:
         if opts.expert_placement not in PLACEMENTS:
             raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.expert_placement must be one of "
                              f"{PLACEMENTS} (vLLM's expert_placement_strategy), got {opts.expert_placement!r}")
+        if opts.expert_maps not in EXPERT_MAPS:
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.expert_maps must be one of {EXPERT_MAPS} "
+                             f"(where a rollout rank's expert map is read), got {opts.expert_maps!r}")
         if not opts.timeout_s > 0:
             raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.timeout_s must be > 0, got {opts.timeout_s!r}")
         if opts.fallback_backend is not None and opts.fallback_backend not in fallback_backends():
@@ -347,10 +359,12 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         self.link: Link | None = None
         self.trainer_world = 0
         self.last: SyncReport | None = None
-        # rollout side: reads the experts this rank's live engine hosts, at every sync (set by
-        # whoever holds the engine, e.g. ``vllm_side.LiveRollout.expert_map``); None: vLLM's
-        # placement rule applied to the configuration (Options.expert_map)
+        # rollout side: reads the experts this rank's live engine hosts, at every sync: set by
+        # whoever holds the engine (e.g. ``vllm_side.LiveRollout.expert_map``), or found at the
+        # first sync inside verl's CheckpointEngineWorker (``verl09_rollout.ServerExpertMaps``);
+        # None: vLLM's placement rule applied to the configuration (Options.expert_map)
         self.live_expert_map: Callable[[], Any] | None = None
+        self._located = False
 
     # -- topology ------------------------------------------------------------------------------
     def prepare(self) -> dict:
@@ -490,21 +504,37 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
             yield name, tensor
 
     def _rollout_vote(self, num_experts: int, report: "SyncReport") -> RolloutVote:
-        """The experts this rollout rank hosts, read now: from the live engine when a reader is
-        attached (EPLB may have moved experts since the last sync; a plan keyed on a stale map
-        would load experts into the wrong slots, verl #7086), else vLLM's placement rule for the
-        configured replica."""
+        """The experts this rollout rank hosts, read now: from the live engine (EPLB may have
+        moved experts since the last sync; a plan keyed on a stale map would load experts into
+        the wrong slots, verl #7086) -- a reader its holder attached, else, in a verl deployment,
+        its vLLM worker through the node's server -- or, where ``expert_maps`` says so or no
+        live engine exists outside a deployment, vLLM's placement rule for the configured replica."""
         rank = self.link.rank - self.trainer_world
         report.config_map = tuple(self.options.expert_map(rank, num_experts))
-        if self.live_expert_map is None:
+        reader = self._live_reader()
+        if reader is None:
             report.map_source, hosted = "config", report.config_map
         else:
-            report.map_source, hosted = "live", tuple(int(e) for e in self.live_expert_map())
+            report.map_source, hosted = "live", tuple(int(e) for e in reader())
             if not hosted or len(set(hosted)) != len(hosted) or not all(0 <= e < num_experts for e in hosted):
                 raise PlanError(f"the live engine's expert map {list(hosted)} is not a set of distinct expert ids "
                                 f"in [0, {num_experts})")
         report.expert_map = hosted
         return RolloutVote(hosted)
+
+    def _live_reader(self) -> Callable[[], Any] | None:
+        """The attached reader, or the deployment's (located once), or None for the rule."""
+        mode = self.options.expert_maps
+        if mode == "config":
+            return None
+        if self.live_expert_map is None and not self._located:
+            from .verl09_rollout import ServerExpertMaps
+            self.live_expert_map = ServerExpertMaps.locate()    # PlanError in an actor no server lists
+            self._located = True
+        if self.live_expert_map is None and mode == "live":
+            raise PlanError(f"engine_kwargs.{BACKEND}.expert_maps=live but no live engine is reachable (no reader "
+                            "attached, not inside verl's CheckpointEngineWorker)")
+        return self.live_expert_map
 
     def _dense(self, weights: Callable[[], Iterator] | None, report: "SyncReport"):
         """Broadcast from trainer rank 0 in buckets: every trainer rank runs the export (it is

@@ -152,6 +152,8 @@ def test_the_backend_registers_through_verls_registry_from_the_module_custom_bac
     ("fallback_backend", "fallback_backend must be one of ["),
     ("fallback_kwargs", "fallback_kwargs must be a mapping of the fallback_backend's engine_kwargs (and needs "
                         "fallback_backend)"),
+    ("expert_maps", "expert_maps must be one of ('auto', 'live', 'config') (where a rollout rank's expert map is "
+                    "read), got 'stale'"),
 ])
 def test_bad_engine_kwargs_are_refused_when_verl_builds_the_engine(checks, key, says):
     err = checks["bad_kwargs"][key]
@@ -182,3 +184,9 @@ def test_a_rollout_rank_votes_the_live_engines_map_when_a_reader_is_attached(che
     for case, got in (("repeats", "[1, 1]"), ("out_of_range", "[0, 8]")):
         assert m[case]["map"] is None and m[case]["why"] == (
             f"expert map: the live engine's expert map {got} is not a set of distinct expert ids in [0, 8)")
+    # engine_kwargs expert_maps: "config" keeps the rule even with a reader; "live" refuses where no
+    # live engine is reachable (here: no reader, not a Ray actor; a verl deployment: test_verl09_deploy.py)
+    assert m["mode_config"] == {"map": [1, 5], "why": "", "source": "config"}
+    assert m["mode_live"]["map"] is None and m["mode_live"]["why"] == (
+        "expert map: engine_kwargs.ascend_rl_alltoallv.expert_maps=live but no live engine is reachable (no reader "
+        "attached, not inside verl's CheckpointEngineWorker)")

@@ -113,7 +113,9 @@ def prepare(workdir: str) -> dict:
     return {"w0": w0, "w1": w1}
 
 
-def trainer(port: int, paths: dict) -> dict:
+def trainer(port: int, paths: dict, rollouts: int = ROLLOUTS, cases: list = CASES) -> dict:
+    """A trainer rank sending W1 (``cases`` syncs) to ``rollouts`` rollout ranks (also run by
+    verl09_deploy_scenario.py, against a verl deployment's CheckpointEngineWorker)."""
     import asyncio
     import faulthandler
     import sys
@@ -130,9 +132,9 @@ def trainer(port: int, paths: dict) -> dict:
     out = {"rank": rank, "cases": {}}
     with megatron_model(tp=1, ep=2, etp=1, moe="sequential", **ARCH) as h:
         source = verl09_backend.TrainingSource([h.model], h.config, lambda: iter(list(export_tensors.items())))
-        engine, side, _ = _engine(port, rank == 0, "linear", trainers=TRAINERS, rollouts=ROLLOUTS)
+        engine, side, _ = _engine(port, rank == 0, "linear", trainers=TRAINERS, rollouts=rollouts)
         engine.init_process_group(**{k: v[rank] for k, v in side.items()})
-        for case in CASES:
+        for case in cases:
             asyncio.run(engine.send_weights(source))
             r = engine.last
             out["cases"][case] = {"resharded": r.resharded, "reason": r.reason, "key": r.plan_key,

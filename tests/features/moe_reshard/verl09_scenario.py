@@ -323,7 +323,8 @@ def registry_and_handoff() -> dict:
     for key, kwargs in (("replica_world_size", dict(replica_world_size=0)),
                         ("expert_placement", dict(expert_placement="random")), ("unknown", dict(replica_size=2)),
                         ("fallback_backend", dict(fallback_backend="ncll")),
-                        ("fallback_kwargs", dict(fallback_kwargs={"group_name": "x"}))):
+                        ("fallback_kwargs", dict(fallback_kwargs={"group_name": "x"})),
+                        ("expert_maps", dict(expert_maps="stale"))):
         try:
             CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=1 << 20, **kwargs)
             bad[key] = "accepted"
@@ -346,6 +347,17 @@ def _live_map(engine) -> dict:
         vote, why = agreement.attempt("expert map", engine._rollout_vote, 8, report)
         out[case] = {"map": list(vote.expert_map) if vote else None, "why": why, "source": report.map_source,
                      "config": list(report.config_map)}
+    # expert_maps=config: the rule even with a reader attached; =live: a refusal where no live engine
+    # is reachable (no reader, not in a Ray actor)
+    import dataclasses
+    for mode, reader in (("config", lambda: [3, 0, 5]), ("live", None)):
+        engine.options = dataclasses.replace(engine.options, expert_maps=mode)
+        engine.live_expert_map, engine._located = reader, False
+        report = verl09_backend.SyncReport()
+        vote, why = agreement.attempt("expert map", engine._rollout_vote, 8, report)
+        out[f"mode_{mode}"] = {"map": list(vote.expert_map) if vote else None, "why": why,
+                               "source": report.map_source}
+    engine.options = dataclasses.replace(engine.options, expert_maps="auto")
     engine.link, engine.live_expert_map = None, None
     return out
 
