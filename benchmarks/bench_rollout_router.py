@@ -674,7 +674,8 @@ def simulate(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tal
 # The router's settings under migration: a looser expected-size KV gate than alone (kv_budget
 # 2.5 instead of 1.5). The shipped controller cannot move a request that waits in a replica's
 # queue, so preemptions cost it (no gate, 16: 6586 preemptions on 235B, +7.7 %); too tight a gate
-# (1.5: 184, +6.4 %) starts unrecognised long requests late; 2.5 (about 510, +10.3 %) is the
+# (1.5: 184, +6.4 %) starts unrecognised long requests late; 2.5 (about 510, +10.3 % at the
+# planner's former survival 1, +11.1 % at 2) is the
 # best of 1.5, 2.0, 2.5, 3.0, 16 on 235B (3 seeds each, separate runs of this simulator; the
 # feature README lists them) and equals 16 on DAPO and 8K math, where nothing is preempted.
 WITH_MIGRATION = {"kv_budget": 2.5}
