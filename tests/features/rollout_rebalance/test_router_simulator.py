@@ -60,14 +60,15 @@ def test_no_policy_beats_the_models_lower_bounds_and_no_kv_is_left_on_the_link()
     """The lower bounds the README quotes hold for every policy (a model or bound error would
     show as a makespan below them), and every KV transfer the migration starts lands."""
     for key, w in SMALL.items():
-        alone, work = bench.lower_bounds(w)
+        bounds = bench.lower_bounds(w)
+        assert bounds.best == max(bounds.alone, bounds.work, bounds.kv_steps) > 0
         for name, make, pooled in _policies(w):
             policy = make()
             sim = bench.Simulation(w, policy, pooled=pooled)
             t = 0.0
             for req in bench.make_batches(w):
                 t = sim.run_batch(req, t)
-            assert t >= max(alone, work), (key, name)
+            assert t >= bounds.best, (key, name, bounds)
             assert sim.in_transit == 0, (key, name)
 
 
@@ -88,7 +89,8 @@ def test_the_simulated_controller_does_only_what_the_shipped_client_can():
     """The table's migration is migration_client.PlannedMigration's: it cannot tell a queued
     request from a running one (no queued list, nothing moved while it waits, every move
     exports KV) and expects each request's max_tokens. The what-if controller ('full', not
-    shipped) also moves queued requests without KV; an unknown controller is refused."""
+    shipped) also sees the queued requests (its planner may move them without KV); an unknown
+    controller is refused."""
     w = SMALL["qwen3-235b-32k-grpo"]
     migrating = replace(DEFAULTS, **bench.WITH_MIGRATION)
     client = bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY)
@@ -106,8 +108,35 @@ def test_the_simulated_controller_does_only_what_the_shipped_client_can():
     sim.run_batch(bench.make_batches(w)[0], 0.0)
     assert sim.tally.preempted > 0  # there were queued requests to see
     assert seen_queued == [] and sim.tally.moved == sim.tally.moved_kv > 0
-    _, full, _ = bench.simulate(w, lambda: bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY,
-                                                             controller="full"))
-    assert full.moved > full.moved_kv  # queued requests moved, without KV
+    full = bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY, controller="full")
+    full_sim = bench.Simulation(w, full)
+    full_queued = []
+    full_plan = full.views
+
+    def full_views(s):
+        out = full_plan(s)
+        full_queued.extend(r for v in out for r in v.queued)
+        return out
+
+    full.views = full_views
+    full_sim.run_batch(bench.make_batches(w)[0], 0.0)
+    assert full_queued  # the what-if sees the requests that wait (and may move them without KV)
     with pytest.raises(ValueError, match="controller='oracle'.*client, full"):
         bench.ThisRouter(DEFAULTS, controller="oracle")
+
+
+def test_the_router_follows_every_simulated_move_and_ends_with_empty_books():
+    """As the shipped client does (MigratingLLMServerClient tells move_request when a moved
+    request starts at its destination), the simulated controller tells the router of every
+    move that lands: the router accepts each one, releases each request where it runs, and its
+    books are empty when the batch ends (nothing released to a replica it left)."""
+    w = SMALL["qwen3-235b-32k-grpo"]
+    client = bench.ThisRouter(replace(DEFAULTS, **bench.WITH_MIGRATION), migrate_every=bench.MIGRATE_EVERY)
+    told = []
+    follow = client.policy.move
+    client.policy.move = lambda *args: told.append(follow(*args)) or told[-1]
+    sim = bench.Simulation(w, client)
+    sim.run_batch(bench.make_batches(w)[0], 0.0)
+    assert sim.tally.moved_kv > 0 and len(told) == sim.tally.moved_kv and all(told)
+    assert all(not r.inflight and not r.groups for r in client.policy.replicas.values())
+    assert client.acquired == {}

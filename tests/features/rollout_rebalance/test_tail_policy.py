@@ -74,6 +74,22 @@ def test_an_expectation_at_the_cap_is_no_estimate_and_the_long_running_request_m
     assert tp.expected_remaining(_req("r", 30000, 9000), 32768, survival=1.0) == 2768
 
 
+def test_by_default_a_request_is_expected_to_run_twice_what_it_ran_up_to_the_maximum():
+    """The default survival multiple (2, chosen on the long-tail simulator's 235B workload,
+    tail_policy's docstring): a request with no estimate that has run 1000 tokens is expected
+    to run 2000 more, one near the cap only what the cap leaves; and the default planner, given
+    a lighter replica, moves the request ranked longest by that rule."""
+    survival = tp.TailSettings().survival
+    assert survival == 2.0
+    assert tp.expected_remaining(_req("r", 1000, 32768), 32768, survival) == 2000
+    assert tp.expected_remaining(_req("r", 20000, 32768), 32768, survival) == 12768
+    busy = [_req("mid", 9000, 32768), _req("older", 20000, 32768)] + [
+        _req(f"young{i}", 50, 32768) for i in range(120)]
+    moves = tp.plan_moves([_replica("a", busy), _replica("b")], STEP, FAST_LINK, max_response_tokens=32768)
+    # survival 1 ranks 'older' (12768 left) above 'mid' (9000); survival 2 ranks 'mid' (18000)
+    assert moves and moves[0].request_id == "mid"
+
+
 def test_bad_model_and_settings_name_the_argument():
     with pytest.raises(ValueError, match="link_bytes_per_s=0.*> 0"):
         tp.TransferCostModel(48128, 0, 8000)
