@@ -137,16 +137,52 @@ def run_scenario_to_exit(module: str, function: str, *args: Any, env: dict | Non
     return Exited(proc.returncode, proc.stdout, proc.stderr, ok, result)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; else its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_PORTS_GIVEN: set[int] = set()     # this process's answers so far (never the same port twice)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free now, below the kernel's ephemeral range, not given before by this process.
+
+    Why not the kernel's pick (bind to port 0): that comes from the ephemeral range, and tests
+    choose ports up to minutes before the process that listens on one starts (a scenario's
+    second process group); meanwhile any outgoing connection may be given the same port as its
+    local end (gloo opens many), and the listener then fails with EADDRINUSE (seen on the verl
+    0.9 backend test's delegated group). Ports below the range are only ever taken by explicit
+    binds."""
+    import random
+    low, _high = _ephemeral_ports()
+    pick = random.SystemRandom()
+    for _ in range(500):
+        port = pick.randrange(max(1024, low - 16384), low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:     # nothing free below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def run_group(module: str, function: str, world: int, *args: Any, env: dict | None = None,
-              timeout: float = 600, python: str | None = None) -> list:
+              timeout: float = 600, python: str | None = None, returns: type | None = None) -> list:
     """``module.function(*args)`` on every rank of a ``world``-process gloo group (the group is
-    initialized before the call); returns the results by rank."""
+    initialized before the call); returns the results by rank, each rebuilt as ``returns`` (a
+    dataclass) where given."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -173,7 +209,7 @@ def run_group(module: str, function: str, world: int, *args: Any, env: dict | No
         results.append(got)
     if failures:
         raise AssertionError(f"{module}.{function} on {world} ranks:\n" + "\n\n".join(failures))
-    return results
+    return [rebuild(returns, r) for r in results] if returns is not None else results
 
 
 def _main(payload: str) -> None:

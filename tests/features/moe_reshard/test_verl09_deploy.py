@@ -19,7 +19,7 @@ from tests.support.child import GREEDY_ENGINE_ENV, free_port, run_group, run_sce
 from tests.support.stacks import require_installed
 
 from .verl09_deploy_scenario import CASES, REPLICA_WORLD_SIZE, Deployment
-from .verl09_engine_scenario import NUM_EXPERTS, TRAINERS
+from .verl09_engine_scenario import NUM_EXPERTS, TRAINERS, TrainerRun
 
 SCENARIO = "tests.features.moe_reshard.verl09_deploy_scenario"
 ENGINE_SCENARIO = "tests.features.moe_reshard.verl09_engine_scenario"
@@ -38,7 +38,7 @@ def deployed(tmp_path_factory):
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         trainers = pool.submit(run_group, ENGINE_SCENARIO, "trainer", TRAINERS, port, paths, 1, CASES, env=ENV,
-                               timeout=1200)
+                               timeout=1200, returns=TrainerRun)
         deployment = pool.submit(run_scenario, SCENARIO, "deployment", port, paths, env=ENV, timeout=1200)
         return trainers.result(), Deployment.from_json(deployment.result())
 
@@ -85,4 +85,4 @@ def test_the_rank_receives_every_expert_its_live_engine_hosts_once_bit_identical
     first, again = d.syncs["first"], d.syncs["again"]
     assert not first.plan_cached and again.plan_cached and again.plan_key == first.plan_key
     for t in trainers:
-        assert [t["cases"][c]["key"] for c in CASES] == [first.plan_key] * len(CASES)
+        assert [t.cases[c].plan_key for c in CASES] == [first.plan_key] * len(CASES)

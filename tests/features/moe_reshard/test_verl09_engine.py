@@ -18,7 +18,7 @@ import pytest
 from tests.support.child import ENGINE_ENV, free_port, run_group, run_scenario
 from tests.support.stacks import require_installed
 
-from .verl09_engine_scenario import CASES, NUM_EXPERTS, ROLLOUTS, TRAINERS, Reference, RolloutOutcome
+from .verl09_engine_scenario import CASES, NUM_EXPERTS, ROLLOUTS, TRAINERS, Reference, RolloutOutcome, TrainerRun
 
 SCENARIO = "tests.features.moe_reshard.verl09_engine_scenario"
 ENV = dict(ENGINE_ENV, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ASCEND_RL_AUTOLOAD="0",
@@ -35,7 +35,8 @@ def synced(tmp_path_factory):
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(2 + ROLLOUTS) as pool:
         ref = pool.submit(run_scenario, SCENARIO, "reference", paths, out, env=ENV, timeout=900)
-        trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, port, paths, env=ENV, timeout=900)
+        trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, port, paths, env=ENV, timeout=900,
+                               returns=TrainerRun)
         rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", port, r, paths, out, env=ENV, timeout=900)
                     for r in range(ROLLOUTS)]
         return (trainers.result(), [RolloutOutcome.from_json(r.result()) for r in rollouts],
@@ -91,5 +92,5 @@ def test_a_sync_keyed_on_the_stale_map_loads_wrong_experts_and_ours_replans(sync
         assert live.plan_key != stale.plan_key and not live.plan_cached
         assert again.plan_key == live.plan_key and again.plan_cached
     for case in CASES:   # every rank of the group agrees on each sync's plan
-        keys = {t["cases"][case]["key"] for t in trainers} | {r.cases[case].plan_key for r in rollouts}
+        keys = {t.cases[case].plan_key for t in trainers} | {r.cases[case].plan_key for r in rollouts}
         assert len(keys) == 1, (case, keys)

@@ -22,7 +22,7 @@ import pytest
 from tests.support.child import free_port, run_group, run_scenario
 from tests.support.stacks import require_installed
 
-from .verl09_mcore_engine_scenario import NUM_EXPERTS, ROLLOUTS, SYNCS, TRAINERS
+from .verl09_mcore_engine_scenario import NUM_EXPERTS, ROLLOUTS, SYNCS, TRAINERS, MegatronTrainer, RolloutReceipt
 
 SCENARIO = "tests.features.moe_reshard.verl09_mcore_engine_scenario"
 ENV = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ASCEND_RL_AUTOLOAD="0", ASCEND_RL_MOE_RESHARD="auto",
@@ -39,49 +39,50 @@ def synced():
     hf_dir = run_scenario(SCENARIO, "prepare", env=ENV, timeout=600)
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(1 + ROLLOUTS) as pool:
-        trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, port, hf_dir, env=ENV, timeout=900)
-        rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", port, r, hf_dir, env=ENV, timeout=900)
-                    for r in range(ROLLOUTS)]
+        trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, port, hf_dir, env=ENV, timeout=900,
+                               returns=MegatronTrainer)
+        rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", port, r, hf_dir, env=ENV, timeout=900,
+                                returns=RolloutReceipt) for r in range(ROLLOUTS)]
         return trainers.result(), [r.result() for r in rollouts]
 
 
 def test_the_trainer_is_verls_megatron_engine_with_sequential_experts(synced):
     trainers, _ = synced
-    assert [t["rank"] for t in trainers] == list(range(TRAINERS))
+    assert [t.rank for t in trainers] == list(range(TRAINERS))
     for t in trainers:
-        assert t["engine"] == "MegatronEngineWithLMHead" and t["experts"] == ["SequentialMLP"], t
+        assert t.engine == "MegatronEngineWithLMHead" and t.experts == ["SequentialMLP"], t
 
 
 def test_each_rollout_rank_receives_exactly_its_experts_once_and_every_dense_tensor(synced):
     _, rollouts = synced
     half = NUM_EXPERTS // ROLLOUTS
     for r in rollouts:
-        dense = [n for n in r["checkpoint"] if ".mlp.experts." not in n]
+        dense = [n for n in r.checkpoint if ".mlp.experts." not in n]
         for sync in SYNCS:
-            s = r["syncs"][sync]
-            assert s["resharded"] and s["reason"] == "", (r["rank"], sync, s["reason"])
-            hosted = list(range(r["rank"] * half, (r["rank"] + 1) * half))
-            assert s["expert_map"] == hosted and s["experts"] == hosted
-            assert s["from_reshard"] == LAYERS * half * PROJS                 # each hosted projection once
-            assert len(s["received"]) == len(set(s["received"]))
-            assert sorted(n for n in s["received"] if ".mlp.experts." not in n) == dense
-            assert s["from_broadcast"] == len(dense)
+            s = r.syncs[sync]
+            assert s.resharded and s.reason == "", (r.rank, sync, s.reason)
+            hosted = list(range(r.rank * half, (r.rank + 1) * half))
+            assert s.expert_map == hosted and s.experts == hosted
+            assert s.from_reshard == LAYERS * half * PROJS                 # each hosted projection once
+            assert len(s.received) == len(set(s.received))
+            assert sorted(n for n in s.received if ".mlp.experts." not in n) == dense
+            assert s.from_broadcast == len(dense)
 
 
 def test_everything_received_is_bit_identical_to_the_checkpoint(synced):
     _, rollouts = synced
     for r in rollouts:
         for sync in SYNCS:
-            assert r["syncs"][sync]["different"] == [], (r["rank"], sync)
+            assert r.syncs[sync].different == [], (r.rank, sync)
 
 
 def test_every_rank_agrees_on_the_plan_and_the_second_sync_takes_it_from_the_cache(synced):
     trainers, rollouts = synced
     for sync in SYNCS:
-        keys = {t["syncs"][sync]["key"] for t in trainers} | {r["syncs"][sync]["key"] for r in rollouts}
+        keys = {t.syncs[sync].plan_key for t in trainers} | {r.syncs[sync].plan_key for r in rollouts}
         assert len(keys) == 1 and keys != {""}, (sync, keys)
-        assert all(t["syncs"][sync]["resharded"] for t in trainers)
-    assert all(t["syncs"]["again"]["cached"] for t in trainers) and all(r["syncs"]["again"]["cached"] for r in rollouts)
+        assert all(t.syncs[sync].resharded for t in trainers)
+    assert all(t.syncs["again"].plan_cached for t in trainers) and all(r.syncs["again"].plan_cached for r in rollouts)
 
 
 def test_upstream_bridge_still_loads_sequential_experts_of_ep_rank_1_from_ep_rank_0(synced):
@@ -89,7 +90,7 @@ def test_upstream_bridge_still_loads_sequential_experts_of_ep_rank_1_from_ep_ran
     EP rank 1 (global experts 2-3) no expert parameter holds its HF expert. When this fails,
     upstream fixed it: drop ``load_global_experts``' correction and update the README."""
     trainers, _ = synced
-    upper = [ok for t in trainers for _, e, ok in t["bridge_loaded_experts"] if e >= NUM_EXPERTS // 2]
+    upper = [ok for t in trainers for _, e, ok in t.bridge_loaded_experts if e >= NUM_EXPERTS // 2]
     assert len(upper) == 2 * LAYERS * 2 * 2 and not any(upper)   # 2 ranks x layers x 2 experts x fc1/fc2
 
 
@@ -100,4 +101,4 @@ def test_upstream_stock_export_still_fails_for_sequential_experts_over_ep(synced
     (the backend's fallback, the full export, then works for this model too): update the README."""
     trainers, _ = synced
     for t in trainers:
-        assert t["stock_export"].startswith("ValueError: invalid literal for int()"), t["stock_export"]
+        assert t.stock_export.startswith("ValueError: invalid literal for int()"), t.stock_export

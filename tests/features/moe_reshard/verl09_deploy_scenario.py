@@ -33,22 +33,15 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from .verl09_engine_scenario import TRAINERS
+from .verl09_engine_scenario import TRAINERS, RolloutSync
 
 CASES = ["first", "again"]
 REPLICA_WORLD_SIZE = 2        # what the configuration says (EP 2); the CPU engine hosts every expert
 
 
 @dataclass
-class DeploySync:
+class DeploySync(RolloutSync):
     """One sync as the CheckpointEngineWorker's backend saw it."""
-    resharded: bool
-    reason: str
-    plan_key: str
-    plan_cached: bool
-    map_source: str
-    expert_map: list
-    config_map: list
     expert_names: list          # expert tensors received, sorted
     dense_names: list           # other tensors received, sorted
     received: int
@@ -118,9 +111,7 @@ def _drain(worker, w1_dir: str) -> dict:
     r = engine.last
     names = [n for n, _ in got]
     return dataclasses.asdict(DeploySync(
-        resharded=r.resharded, reason=r.reason, plan_key=r.plan_key, plan_cached=r.plan_cached,
-        map_source=r.map_source, expert_map=list(r.expert_map), config_map=list(r.config_map),
-        expert_names=sorted(n for n in names if parse_hf_expert_name(n)),
+        **RolloutSync.of(r), expert_names=sorted(n for n in names if parse_hf_expert_name(n)),
         dense_names=sorted(n for n in names if not parse_hf_expert_name(n)), received=len(names),
         unique=len(set(names)),
         wrong=sorted(n for n, t in got if n not in w1 or t.shape != w1[n].shape

@@ -44,8 +44,37 @@ NUM_EXPERTS = ARCH["experts"]
 
 
 @dataclass
-class SyncCase:
-    """One sync as one rollout rank saw it."""
+class TrainerSync:
+    """What the backend's ``SyncReport`` said of one sync on a trainer rank."""
+    resharded: bool
+    reason: str
+    plan_key: str
+    plan_cached: bool
+
+
+@dataclass
+class TrainerRun:
+    """One trainer rank's syncs, by case."""
+    rank: int
+    cases: dict[str, TrainerSync]
+
+
+def send_syncs(engine, source, cases) -> dict[str, TrainerSync]:
+    """Each of ``cases`` sent once from this trainer rank through the backend (every rank of the
+    group does the same at once); what the backend reported of each."""
+    import asyncio
+    syncs = {}
+    for case in cases:
+        asyncio.run(engine.send_weights(source))
+        r = engine.last
+        syncs[case] = TrainerSync(r.resharded, r.reason, r.plan_key, r.plan_cached)
+    return syncs
+
+
+@dataclass
+class RolloutSync:
+    """What the backend's ``SyncReport`` said of one sync on a rollout rank (the part every
+    rollout-side scenario records; :meth:`of` reads it)."""
     resharded: bool
     reason: str
     plan_key: str
@@ -53,6 +82,17 @@ class SyncCase:
     map_source: str
     expert_map: list
     config_map: list
+
+    @staticmethod
+    def of(report) -> dict:
+        return dict(resharded=report.resharded, reason=report.reason, plan_key=report.plan_key,
+                    plan_cached=report.plan_cached, map_source=report.map_source,
+                    expert_map=list(report.expert_map), config_map=list(report.config_map))
+
+
+@dataclass
+class SyncCase(RolloutSync):
+    """One sync as one rollout rank saw it, with what its vLLM engine did after the load."""
     expert_ids: list            # experts received by the reshard (sorted, unique)
     expert_tensors: int         # expert tensors received
     unique_names: int
@@ -116,7 +156,6 @@ def prepare(workdir: str) -> dict:
 def trainer(port: int, paths: dict, rollouts: int = ROLLOUTS, cases: list = CASES) -> dict:
     """A trainer rank sending W1 (``cases`` syncs) to ``rollouts`` rollout ranks (also run by
     verl09_deploy_scenario.py, against a verl deployment's CheckpointEngineWorker)."""
-    import asyncio
     import faulthandler
     import sys
 
@@ -129,18 +168,13 @@ def trainer(port: int, paths: dict, rollouts: int = ROLLOUTS, cases: list = CASE
     from ascend_rl_plugins.features.moe_reshard import verl09_backend
     rank = dist.get_rank()
     export_tensors = load_file(os.path.join(paths["w1"], "model.safetensors"))
-    out = {"rank": rank, "cases": {}}
     with megatron_model(tp=1, ep=2, etp=1, moe="sequential", **ARCH) as h:
         source = verl09_backend.TrainingSource([h.model], h.config, lambda: iter(list(export_tensors.items())))
         engine, side, _ = _engine(port, rank == 0, "linear", trainers=TRAINERS, rollouts=rollouts)
         engine.init_process_group(**{k: v[rank] for k, v in side.items()})
-        for case in cases:
-            asyncio.run(engine.send_weights(source))
-            r = engine.last
-            out["cases"][case] = {"resharded": r.resharded, "reason": r.reason, "key": r.plan_key,
-                                  "cached": r.plan_cached}
+        run = TrainerRun(rank, send_syncs(engine, source, cases))
         engine.finalize()
-    return out
+    return dataclasses.asdict(run)
 
 
 def _llm(model_dir: str):
@@ -199,9 +233,7 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
         outs = _generate(llm)
         experts = [n for n in names if parse_hf_expert_name(n)]
         cases[case] = SyncCase(
-            resharded=r.resharded, reason=r.reason, plan_key=r.plan_key, plan_cached=r.plan_cached,
-            map_source=r.map_source, expert_map=list(r.expert_map), config_map=list(r.config_map),
-            expert_ids=sorted({parse_hf_expert_name(n)[1] for n in experts}), expert_tensors=len(experts),
+            **RolloutSync.of(r), expert_ids=sorted({parse_hf_expert_name(n)[1] for n in experts}), expert_tensors=len(experts),
             unique_names=len(set(names)), received=len(names), loaded=loaded,
             tokens=[o["tokens"] for o in outs], logprobs=[o["logprobs"] for o in outs])
         states[case] = _state(live.model)

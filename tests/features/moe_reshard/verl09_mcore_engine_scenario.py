@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import os
 
+from dataclasses import asdict, dataclass
+
+from .verl09_engine_scenario import TrainerSync, send_syncs
 from .verl09_scenario import _engine
 
 TRAINERS, ROLLOUTS = 4, 2
@@ -33,6 +36,35 @@ TRAINING_LAYOUT = dict(tp=1, ep=2, etp=2)
 NUM_EXPERTS = 4
 MODEL = dict(moe=True, num_experts=NUM_EXPERTS, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 SYNCS = ("first", "again")
+
+
+@dataclass
+class MegatronTrainer:
+    """One trainer rank: the engine verl built, what the bridge loaded, the syncs it sent."""
+    rank: int
+    engine: str                     # the MegatronEngine class verl built
+    experts: list                   # expert module classes in the model
+    bridge_loaded_experts: list     # [name, global expert, loaded right by the bridge]
+    syncs: dict[str, TrainerSync]
+    stock_export: str               # what verl's stock export of the same engine gave
+
+
+@dataclass
+class ReceivedSync(TrainerSync):
+    """One sync as a rollout rank received it."""
+    expert_map: list
+    received: list                  # tensor names, in arrival order
+    different: list                 # received tensors not bit-identical to the checkpoint's
+    experts: list                   # global experts received (sorted, unique)
+    from_reshard: int
+    from_broadcast: int
+
+
+@dataclass
+class RolloutReceipt:
+    rank: int
+    checkpoint: list                # every tensor name in the checkpoint
+    syncs: dict[str, ReceivedSync]
 
 
 def prepare() -> str:
@@ -74,7 +106,6 @@ def load_global_experts(megatron, hf_dir: str) -> list:
 
 
 def trainer(port: int, hf_dir: str) -> dict:
-    import asyncio
     import faulthandler
     import sys
 
@@ -84,26 +115,20 @@ def trainer(port: int, hf_dir: str) -> dict:
     from tests.support.megatron import Layout, parallel_groups
     from tests.support.verl_megatron_engine import megatron_engine
     rank = dist.get_rank()
-    out = {"rank": rank, "syncs": {}}
     with parallel_groups(Layout(**TRAINING_LAYOUT)):
         megatron = megatron_engine(hf_dir, moe="sequential", **TRAINING_LAYOUT)
-        out["engine"] = type(megatron).__name__
-        out["experts"] = sorted({type(m).__name__ for m in megatron.module[0].modules()
-                                 if type(m).__name__ in ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")})
-        out["bridge_loaded_experts"] = load_global_experts(megatron, hf_dir)
+        experts = sorted({type(m).__name__ for m in megatron.module[0].modules()
+                          if type(m).__name__ in ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")})
+        loaded = load_global_experts(megatron, hf_dir)
         engine, side, _ = _engine(port, rank == 0, "linear", trainers=TRAINERS, rollouts=ROLLOUTS)
         engine.init_process_group(**{k: v[rank] for k, v in side.items()})
-        for sync in SYNCS:
-            asyncio.run(engine.send_weights(megatron))
-            r = engine.last
-            out["syncs"][sync] = {"resharded": r.resharded, "reason": r.reason, "key": r.plan_key,
-                                  "cached": r.plan_cached}
+        syncs = send_syncs(engine, megatron, SYNCS)
         engine.finalize()
         try:   # verl's stock export of the same engine (upstream failure (a) in the README)
-            out["stock_export"] = f"{len(list(megatron.get_per_tensor_param()[0]))} tensors"
+            stock = f"{len(list(megatron.get_per_tensor_param()[0]))} tensors"
         except Exception as e:  # noqa: BLE001 -- the outcome is what the test pins
-            out["stock_export"] = f"{type(e).__name__}: {e}"
-    return out
+            stock = f"{type(e).__name__}: {e}"
+    return asdict(MegatronTrainer(rank, type(megatron).__name__, experts, loaded, syncs, stock))
 
 
 def rollout(port: int, rank: int, hf_dir: str) -> dict:
@@ -118,7 +143,7 @@ def rollout(port: int, rank: int, hf_dir: str) -> dict:
     want = load_file(os.path.join(hf_dir, "model.safetensors"))
     engine, _, side = _engine(port, False, "linear", trainers=TRAINERS, rollouts=ROLLOUTS)
     engine.init_process_group(**{k: v[rank] for k, v in side.items()})
-    out = {"rank": rank, "syncs": {}, "checkpoint": sorted(want)}
+    syncs = {}
     for sync in SYNCS:
         names, different = [], []
         for name, tensor in engine.receive_weights():
@@ -126,10 +151,10 @@ def rollout(port: int, rank: int, hf_dir: str) -> dict:
             if name not in want or not (tensor.dtype == want[name].dtype and torch.equal(tensor, want[name])):
                 different.append(name)
         r = engine.last
-        out["syncs"][sync] = {
-            "resharded": r.resharded, "reason": r.reason, "key": r.plan_key, "cached": r.plan_cached,
-            "expert_map": list(r.expert_map), "received": names, "different": different,
-            "experts": sorted({parse_hf_expert_name(n)[1] for n in names if parse_hf_expert_name(n)}),
-            "from_reshard": len(r.experts), "from_broadcast": len(r.broadcast)}
+        syncs[sync] = ReceivedSync(
+            r.resharded, r.reason, r.plan_key, r.plan_cached, expert_map=list(r.expert_map), received=names,
+            different=different,
+            experts=sorted({parse_hf_expert_name(n)[1] for n in names if parse_hf_expert_name(n)}),
+            from_reshard=len(r.experts), from_broadcast=len(r.broadcast))
     engine.finalize()
-    return out
+    return asdict(RolloutReceipt(rank, sorted(want), syncs))
