@@ -21,7 +21,7 @@ engine multiplies back is exactly the stored one.
 
 On CPU a numba kernel (``_int4_kernels.block_fp8_cpu``) does two passes per
 block with no full-size temporaries; on an accelerator a compiled one-kernel form
-(:mod:`.fused`, weights made of whole blocks; of three equivalent forms the one measured
+(:mod:`.fused`, weights made of whole blocks; of four equivalent forms the one measured
 fastest on the device at first use) does; the blocked torch path is bit-identical
 to both (tested). The division by 448 divides by a device tensor (:mod:`.device_math`). A
 NaN/inf weight is refused (:class:`~.device_math.NonFiniteWeightError`, naming the tensor).
@@ -90,7 +90,7 @@ def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None, name: 
 # The compiled block-FP8 forms, all the same math (bit-identical, each checked at first use):
 # which one an accelerator's compiler schedules best is measured there, not assumed -- on an
 # H200 the one-graph form ran at 14x the DeepGEMM formula compiled (flashrl/README.md).
-VARIANTS = ("one_graph", "direct", "split")
+VARIANTS = ("one_graph", "direct", "split", "three_pass")
 TUNE_BYTES = 256 << 20     # the synthetic weight the variants are timed on at first use
 
 
@@ -155,17 +155,30 @@ def _fused(weight, bn: int, bk: int, out_weight, out_scale_inv, variant: str = "
     import torch
     from . import fused
     n, k = weight.shape
-    fp8_max = device_math.constant(FP8_MAX, weight, torch.float64)
-    eps = device_math.constant(_F32_EPS, weight)
-    if variant == "split":
-        amax_fn = fused.compiled("block_amax", (str(weight.dtype), k), bn=bn, bk=bk)
-        scale_fn = fused.compiled("block_fp8_from_amax", (str(weight.dtype), k), rows_args=(0, 1), bn=bn, bk=bk)
+    fp8_max = device_math.constant(FP8_MAX, weight, torch.float64, shape=(1,))
+    eps = device_math.constant(_F32_EPS, weight, shape=(1,))
+    dtype_width = (str(weight.dtype), k)
+    if variant in ("split", "three_pass"):
+        apply_fn = fused.compiled("block_fp8_apply", dtype_width, rows_args=(0, 1), bn=bn, bk=bk)
+        if variant == "split":
+            scale_fn = fused.compiled("block_scale", dtype_width, bn=bn, bk=bk)
+        else:
+            runs_fn = fused.compiled("block_runs", dtype_width, bk=bk)
+            from_runs_fn = fused.compiled("block_scale_from_runs", dtype_width, bn=bn)
+
+            def scale_fn(w, fp8_max, eps):
+                return from_runs_fn(runs_fn(w), fp8_max, eps)
 
         def fn(w, fp8_max, eps):
-            return scale_fn(w, amax_fn(w), fp8_max, eps)
+            s, r = scale_fn(w, fp8_max, eps)
+            return apply_fn(w, r), s
     else:
-        fn = fused.compiled("block_fp8" if variant == "one_graph" else "block_fp8_direct", (str(weight.dtype), k),
-                            bn=bn, bk=bk)
+        one_graph = fused.compiled("block_fp8" if variant == "one_graph" else "block_fp8_direct", dtype_width,
+                                   bn=bn, bk=bk)
+
+        def fn(w, fp8_max, eps):
+            q, s, _reciprocal = one_graph(w, fp8_max, eps)
+            return q, s
     if out_weight is None and out_scale_inv is None and n:
         return fn(weight, fp8_max, eps)
     out_weight, out_scale_inv = _outputs(weight, n, k, n // bn, k // bk, out_weight, out_scale_inv)

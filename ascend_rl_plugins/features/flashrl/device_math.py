@@ -32,21 +32,26 @@ class NonFiniteWeightError(ValueError):
 _CONSTANTS: dict = {}  # (value, dtype, device) -> 0-dim tensor; per process, see reset_constants
 
 
-def constant(value: float, where, dtype=None):
+def constant(value: float, where, dtype=None, *, shape: tuple = ()):
     """``value`` as a 0-dim tensor (float32 unless ``dtype``) on the device of ``where`` (a tensor
     or a device): a divisor every backend divides by exactly (a host scalar would be turned
     into a reciprocal multiply on CUDA), and an input the compiled formulas cannot fold into a
     constant (:mod:`.fused`). 0-dim, so it does not change the result dtype of ``x / constant``
     (type promotion treats it as a scalar); the constants used here (7, 7.5, 127, 448) are
-    exact in bf16 and fp16 too. Made once per (value, dtype, device) and process: the
-    quantizers only read it."""
+    exact in bf16 and fp16 too. Made once per (value, dtype, device, shape) and process: the
+    quantizers only read it.
+
+    ``shape=(1,)`` is what the compiled formulas (:mod:`.fused`) take instead: dynamo turns a
+    0-dim float64 tensor input into a Python float with a ``not isnan(t.item())`` guard, i.e.
+    a device-to-host read (on an accelerator: a synchronization) at every call; a one-element
+    tensor stays a tensor (its value is never guarded on, so it is never folded either)."""
     import torch
     dtype = dtype or torch.float32
     device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
-    key = (float(value), dtype, str(device))
+    key = (float(value), dtype, str(device), tuple(shape))
     t = _CONSTANTS.get(key)
     if t is None:
-        t = _CONSTANTS[key] = torch.full((), value, dtype=dtype, device=device)
+        t = _CONSTANTS[key] = torch.full(tuple(shape), value, dtype=dtype, device=device)
     return t
 
 

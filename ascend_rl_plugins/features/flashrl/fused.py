@@ -9,13 +9,19 @@ codes and scales.
 
 Bit identity with the CPU kernels and the eager torch path rests on three rules:
 
-* **Divisions in float64.** Compiled code may evaluate a float32 ``a / b`` with a fast
+* **Quotients through float64.** Compiled code may evaluate a float32 ``a / b`` with a fast
   approximate division (Triton's default ``div.full.f32`` is within 2 ulp) and replaces a
-  division by a constant with a reciprocal multiply. A float64 division of two float32
-  values, rounded to float32, is the correctly rounded float32 quotient (double rounding is
-  innocuous for a division when the wide format has at least 2p + 2 bits: 53 >= 2 * 24 + 2),
-  and float64 division has only the IEEE-rounded form in PTX. The divisors are tensor
-  inputs (``device_math.constant``), never constants, so no reciprocal is substituted.
+  division by a constant with a reciprocal multiply. The few divisions that make a scale
+  (one per row, group or block) are float64 divisions of float32 values, rounded to float32:
+  the correctly rounded float32 quotient (double rounding is innocuous for a division when
+  the wide format has at least 2p + 2 bits: 53 >= 2 * 24 + 2), and float64 division has
+  only the IEEE-rounded form in PTX. The divisors are tensor inputs
+  (``device_math.constant``), never constants, so no reciprocal is substituted. The
+  per-element quotient ``x / scale`` of the INT8 / FP8 rows and block FP8 is
+  ``float32(float64(x) * r)`` with ``r`` the float64 reciprocal of the scale, computed once per
+  row or block (:func:`_times_reciprocal` says why that is the same float32 as the division):
+  a multiply per element instead of a float64 division, a multi-instruction sequence on GPUs
+  (1.3-1.4x faster on an H200). INT4 keeps the float64 division, which measured faster there.
 * **bf16 rounding on the bit pattern** (:func:`_round_bf16`): eager torch rounds a bf16
   quotient to bf16 before the next step; inductor may keep intermediates in float32, so
   that rounding is written out as integer ops it cannot drop.
@@ -96,6 +102,33 @@ def _quotient(a, b):
     return (a.to(torch.float64) / b.to(torch.float64)).to(torch.float32)
 
 
+def _reciprocal(b):
+    """float64 ``1 / b`` of a float32 scale (correctly rounded: an IEEE float64 division), made
+    once per row, group or block for :func:`_times_reciprocal`."""
+    import torch
+    return 1.0 / b.to(torch.float64)
+
+
+def _times_reciprocal(x, r):
+    """float32 ``x / b`` for float32 ``x`` and ``r = _reciprocal(b)``: ``float32(float64(x) * r)``.
+
+    Why this is the correctly rounded float32 quotient (the bits of the eager ``x / b``): the
+    float64 product is within a relative ``2u + u**2`` (u = 2**-53, two float64 roundings) of the
+    exact ``x / b``, under 2**-51.9. A quotient of two float32 numbers (24-bit significands) is
+    either a float32 itself, or at a relative distance of at least about 2**-49 from every
+    float32 rounding midpoint: a midpoint has an odd 25-bit significand ``M``, and
+    ``x / b == M * 2**k`` would need the 24-bit significand of ``x`` to hold the odd factor
+    ``M * (odd part of b)`` of at least 25 bits; otherwise their difference is a nonzero
+    multiple of the smaller of the two exponent units, which bounds it below. So the product
+    and the exact quotient round to the same float32 (``tests/features/flashrl/
+    test_device_exact.py`` checks it against float64 division on adversarial pairs). The one
+    exception is a quotient below the float32 normal range (|x / b| < 2**-126), where midpoints
+    are absolute: it can round 1 ulp apart, and every code it feeds (INT8, INT4, FP8 E4M3)
+    rounds it to zero either way."""
+    import torch
+    return (x.to(torch.float64) * r).to(torch.float32)
+
+
 def _scaled_rows(w, col, gain):
     """float32 ``(w * col) * gain`` (smoothing per input column, gain per output row), in the
     eager path's order."""
@@ -114,7 +147,7 @@ def int8_rows_formula(w, col, gain, qmax, min_amax):
     x = _scaled_rows(w, col, gain)
     amax = torch.maximum(x.abs().amax(dim=1, keepdim=True), min_amax)
     scale = _quotient(amax, qmax)
-    codes = _quotient(x, scale).round().clamp(-128.0, 127.0).to(torch.int8)
+    codes = _times_reciprocal(x, _reciprocal(scale)).round().clamp(-128.0, 127.0).to(torch.int8)
     return codes, scale
 
 
@@ -124,7 +157,7 @@ def fp8_rows_formula(w, col, gain, fp8_max, eps):
     x = _scaled_rows(w, col, gain)
     scale = _quotient(x.abs().amax(dim=1, keepdim=True), fp8_max)
     scale = torch.where(scale == 0, eps, scale)
-    q = _quotient(x, scale).clamp(-448.0, 448.0)
+    q = _times_reciprocal(x, _reciprocal(scale)).clamp(-448.0, 448.0)
     q = torch.where(q == 0, torch.zeros_like(q), q)
     return q.to(torch.float8_e4m3fn), scale
 
@@ -132,7 +165,8 @@ def fp8_rows_formula(w, col, gain, fp8_max, eps):
 def int4_formula(w, divisor, eps, group: int, ct: bool, bf16_weight: bool, qmin: float, output: str):
     """INT4 of a 2-D block (:mod:`.int4`'s torch math). ``output``: ``"packed"`` -> (int32
     words, stored scale), ``"codes"`` -> (int8 codes, stored scale), ``"fake"`` -> (the
-    dequantized weight in ``w``'s dtype, float32 scales for the non-finite check)."""
+    dequantized weight in ``w``'s dtype, a 0-dim bool: every scale is finite -- the
+    non-finite check's verdict made inside the kernel, so the caller launches nothing for it)."""
     import torch
     rows, cols = w.shape
     g = w.reshape(rows, cols // group, group).to(torch.float32)
@@ -141,6 +175,9 @@ def int4_formula(w, divisor, eps, group: int, ct: bool, bf16_weight: bool, qmin:
     if scale_bf16:
         s = _round_bf16(s)
     s = torch.where(s == 0, eps, s)
+    # a float64 division here, not the reciprocal multiply of the other quantizers: on an H200 the
+    # multiply made this kernel slower (INT4 pack 393216 x 4096: 10.7 vs 6.6 ms; fake quantization
+    # equal), where it made INT8 1.3x and block FP8 1.4x faster (benchmarks/bench_device_quantizers.py)
     q = _quotient(g, s.unsqueeze(-1))
     if ct and bf16_weight:
         q = _round_bf16(q)
@@ -151,7 +188,10 @@ def int4_formula(w, divisor, eps, group: int, ct: bool, bf16_weight: bool, qmin:
         d = q * s.unsqueeze(-1)                         # float32 product, rounded as eager rounds it
         if scale_bf16:
             d = _round_bf16(d)
-        return d.reshape(rows, cols).to(w.dtype), s
+        # the verdict from the weight itself, per group (the amax's own reduction loop), not from
+        # the scales: a backend whose max reduction skips NaN (inductor's CPU code) gives a finite
+        # scale for a group holding a NaN
+        return d.reshape(rows, cols).to(w.dtype), torch.isfinite(g).all(dim=-1).all()
     codes = q.reshape(rows, cols)
     if output == "codes":
         return codes.to(torch.int8), stored
@@ -163,32 +203,49 @@ def int4_formula(w, divisor, eps, group: int, ct: bool, bf16_weight: bool, qmin:
     return words.to(torch.int32), stored
 
 
-def _block_fp8_from_amax(w, amax, fp8_max, eps, bn: int, bk: int):
-    """The quantization of whole blocks given each block's float32 amax ``[n/bn, k/bk]``."""
+def _block_scale(amax, fp8_max, eps):
+    """The stored float32 scale of each block from its float32 amax, and its float64 reciprocal."""
     import torch
-    n, k = w.shape
     s = _quotient(amax, fp8_max)
     s = torch.where(s == 0, eps, s)
+    return s, _reciprocal(s)
+
+
+def _block_fp8_apply(w, r, bn: int, bk: int):
+    """The E4M3 codes of whole blocks given each block's float64 reciprocal scale ``[n/bn, k/bk]``."""
+    import torch
+    n, k = w.shape
     x = w.to(torch.float32).reshape(n // bn, bn, k // bk, bk)
-    q = _quotient(x, s.reshape(n // bn, 1, k // bk, 1)).clamp(-448.0, 448.0)
+    q = _times_reciprocal(x, r.reshape(n // bn, 1, k // bk, 1)).clamp(-448.0, 448.0)
     q = torch.where(q == 0, torch.zeros_like(q), q)
-    return q.reshape(n, k).to(torch.float8_e4m3fn), s
+    return q.reshape(n, k).to(torch.float8_e4m3fn)
+
+
+def block_runs_formula(w, bk: int):
+    """float32 amax of each contiguous run of ``bk`` along each row ``[n, k/bk]`` (coalesced, like
+    the INT4 groups): the first step of a block amax. amax is exact in any float dtype, so the
+    order of the reduction does not change a bit."""
+    import torch
+    n, k = w.shape
+    return w.reshape(n, k // bk, bk).abs().amax(dim=-1).to(torch.float32)
 
 
 def block_amax_formula(w, bn: int, bk: int):
-    """float32 amax of each ``bn x bk`` block, in two steps: contiguous runs of ``bk`` along each
-    row (coalesced, like the INT4 groups), then the ``bn`` runs of a block column (1/bk of the
-    data). amax is exact in any float dtype, so the order does not change a bit."""
-    import torch
+    """float32 amax of each ``bn x bk`` block, in two steps: the row runs
+    (:func:`block_runs_formula`), then the ``bn`` runs of a block column (1/bk of the data)."""
     n, k = w.shape
-    runs = w.reshape(n, k // bk, bk).abs().amax(dim=-1).to(torch.float32)
-    return runs.reshape(n // bn, bn, k // bk).amax(dim=1)
+    return block_runs_formula(w, bk).reshape(n // bn, bn, k // bk).amax(dim=1)
 
+
+# The one-graph forms also return the float64 reciprocal (the caller drops it): a graph output is
+# stored once per block, where a value only used inside the graph may be recomputed by inductor
+# in the per-element kernel -- a float64 division per element, which is what it replaces.
 
 def block_fp8_formula(w, fp8_max, eps, bn: int, bk: int):
-    """``(float8_e4m3fn, float32 scale_inv [n/bn, k/bk])`` of a weight made of whole blocks, the
-    two-step amax and the quantization in one graph (variant ``one_graph``)."""
-    return _block_fp8_from_amax(w, block_amax_formula(w, bn, bk), fp8_max, eps, bn, bk)
+    """``(float8_e4m3fn, float32 scale_inv [n/bn, k/bk], float64 1/scale_inv)`` of a weight made
+    of whole blocks, the two-step amax and the quantization in one graph (variant ``one_graph``)."""
+    s, r = _block_scale(block_amax_formula(w, bn, bk), fp8_max, eps)
+    return _block_fp8_apply(w, r, bn, bk), s, r
 
 
 def block_fp8_direct_formula(w, fp8_max, eps, bn: int, bk: int):
@@ -198,18 +255,33 @@ def block_fp8_direct_formula(w, fp8_max, eps, bn: int, bk: int):
     import torch
     n, k = w.shape
     amax = w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3)).to(torch.float32)
-    return _block_fp8_from_amax(w, amax, fp8_max, eps, bn, bk)
+    s, r = _block_scale(amax, fp8_max, eps)
+    return _block_fp8_apply(w, r, bn, bk), s, r
 
 
-def block_fp8_from_amax_formula(w, amax, fp8_max, eps, bn: int, bk: int):
-    """The second call of variant ``split`` (the first is :func:`block_amax_formula`): a
-    pointwise kernel with a broadcast scale, like the row quantizers'."""
-    return _block_fp8_from_amax(w, amax, fp8_max, eps, bn, bk)
+def block_scale_formula(w, fp8_max, eps, bn: int, bk: int):
+    """The first call of variant ``split``: each block's stored scale and float64 reciprocal
+    (two small outputs: the second call reads them instead of recomputing them per element)."""
+    return _block_scale(block_amax_formula(w, bn, bk), fp8_max, eps)
+
+
+def block_scale_from_runs_formula(runs, fp8_max, eps, bn: int):
+    """The second call of variant ``three_pass``: block amax, scale and reciprocal from the row
+    runs ``[n, k/bk]`` (a small reduction over ``bn`` rows of runs)."""
+    n, kb = runs.shape
+    return _block_scale(runs.reshape(n // bn, bn, kb).amax(dim=1), fp8_max, eps)
+
+
+def block_fp8_apply_formula(w, r, bn: int, bk: int):
+    """The last call of variants ``split`` and ``three_pass``: a pointwise kernel with a broadcast
+    reciprocal scale, like the row quantizers'."""
+    return _block_fp8_apply(w, r, bn, bk)
 
 
 _FORMULAS = {"int8_rows": int8_rows_formula, "fp8_rows": fp8_rows_formula, "int4": int4_formula,
              "block_fp8": block_fp8_formula, "block_fp8_direct": block_fp8_direct_formula,
-             "block_amax": block_amax_formula, "block_fp8_from_amax": block_fp8_from_amax_formula}
+             "block_scale": block_scale_formula, "block_fp8_apply": block_fp8_apply_formula,
+             "block_runs": block_runs_formula, "block_scale_from_runs": block_scale_from_runs_formula}
 
 
 def compiled(kind: str, variant: tuple = (), rows_args: tuple = (0,), **static):
@@ -220,9 +292,13 @@ def compiled(kind: str, variant: tuple = (), rows_args: tuple = (0,), **static):
     width, while the index arithmetic inside the kernel divides by constants (a fully dynamic
     kernel divides by runtime values per element and ran 5-20x slower on an H200). ``variant``
     names what else makes a separate kernel: the dtype, optional inputs left out, and the
-    column count. Each variant compiles a fresh copy of the formula's code object: dynamo
-    counts recompilations per code object, and the variants would otherwise exhaust its limit
-    (and automatic dynamic shapes would make the columns dynamic again)."""
+    column count. Each variant compiles a copy of the formula's code object **under a name of its
+    own** (:func:`_code_name`): dynamo counts recompilations, and remembers the sizes it has seen
+    for automatic dynamic shapes, per code identity -- (file, first line, *name*), not per code
+    object. With one shared name, the first-use probe (1024 columns) followed by a real weight
+    (4096) made dynamo recompile the real weight's copy with dynamic columns: block FP8's
+    indexing then divided by runtime sizes per element and ran 13x slower than the static
+    kernel on an H200 (15.2 vs 2.5 ms at 393216 x 4096)."""
     key = (kind, variant, tuple(sorted(static.items())))
     with _LOCK:
         fn = STATE.compiled.get(key)
@@ -230,8 +306,9 @@ def compiled(kind: str, variant: tuple = (), rows_args: tuple = (0,), **static):
             import types
             import torch
             base = _FORMULAS[kind]
-            copy = types.FunctionType(base.__code__.replace(), base.__globals__, base.__name__, base.__defaults__,
-                                      base.__closure__)
+            name = _code_name(base.__name__, key)
+            copy = types.FunctionType(base.__code__.replace(co_name=name, co_qualname=name), base.__globals__, name,
+                                      base.__defaults__, base.__closure__)
             compiled_copy = torch.compile(copy, fullgraph=True)
 
             def fn(*tensors, _compiled=compiled_copy, _static=dict(static)):
@@ -245,6 +322,12 @@ def compiled(kind: str, variant: tuple = (), rows_args: tuple = (0,), **static):
                 return _compiled(*tensors, **_static)
             STATE.compiled[key] = fn
         return fn
+
+
+def _code_name(formula: str, key) -> str:
+    """A code name unique to one compiled form (``key``), the same in every process."""
+    import hashlib
+    return f"{formula}__{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
 
 
 def usable(kind: str, weight, check) -> bool:

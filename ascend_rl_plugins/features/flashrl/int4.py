@@ -171,6 +171,12 @@ def quantize_torch(weight, spec: Int4Spec, *, out_codes=None, out_scale=None,
                    block_bytes: int | None = None, name: str | None = None):
     """Device-agnostic torch implementation of :func:`quantize` (row blocks of about
     ``block_bytes`` of float32, so the extra memory stays bounded)."""
+    codes, scale = _quantize_torch_unchecked(weight, spec, out_codes, out_scale, block_bytes)
+    device_math.require_finite(scale, "INT4 quantization", name)
+    return codes, scale
+
+
+def _quantize_torch_unchecked(weight, spec: Int4Spec, out_codes, out_scale, block_bytes):
     import torch
     sh = _check(weight, spec)
     w2 = weight.detach().reshape(sh.rows, sh.cols)
@@ -188,7 +194,6 @@ def quantize_torch(weight, spec: Int4Spec, *, out_codes=None, out_scale=None,
             s = _scales_torch(w2[r0:r1], spec, sh.groups)
             s2[r0:r1].copy_(s)
             c2[r0:r1].copy_(_codes_torch(w2[r0:r1], s, spec, sh.groups))
-    device_math.require_finite(scale, "INT4 quantization", name)
     return codes, scale
 
 
@@ -276,25 +281,37 @@ def dequantize(codes, scale, spec: Int4Spec):
     return (q * scale.unsqueeze(-1)).reshape(codes.shape)
 
 
-def fake_quantize(weight, spec: Int4Spec, *, name: str | None = None):
+def fake_quantize(weight, spec: Int4Spec, *, name: str | None = None, defer_finite=None):
     """``dequantize(*quantize(weight))`` in ``weight.dtype``: the QAT forward weight,
     bit-equal to what the engine dequantizes from the packed checkpoint. No autograd graph
     is built (wrap it in a straight-through estimator: ``w + (fake_quantize(w) - w).detach()``).
-    CPU -> fused numba kernel; accelerator -> compiled kernel (:mod:`.fused`) where verified."""
+    CPU -> fused numba kernel; accelerator -> compiled kernel (:mod:`.fused`) where verified.
+
+    A non-finite weight raises :class:`~.device_math.NonFiniteWeightError` -- which on an
+    accelerator costs a synchronization per call (the host waits for the device to say whether
+    every scale is finite). ``defer_finite(all_finite, name)`` is how a caller that quantizes
+    many weights in a row (QAT: every layer of every forward) takes that verdict as a 0-dim
+    device bool instead and checks many at once (``int4_qat.finite_checks``); the host then
+    runs ahead of the device as it does for the layer's matmul. On CPU the check is immediate
+    (nothing to wait for)."""
     w = weight.detach()
     if _use_kernel(w):
         from . import _int4_kernels
         return _int4_kernels.fake_quantize_cpu(w, spec, name=name)
     if _fused_usable(w, spec):
-        return _fused_blocks(w, spec, "fake", None, None, name)
-    return fake_quantize_torch(w, spec, name=name)
+        return _fused_fake(w, spec, name, defer_finite)
+    return fake_quantize_torch(w, spec, name=name, defer_finite=defer_finite)
 
 
-def fake_quantize_torch(weight, spec: Int4Spec, *, name: str | None = None):
+def fake_quantize_torch(weight, spec: Int4Spec, *, name: str | None = None, defer_finite=None):
     """Torch implementation of :func:`fake_quantize` (any device, any float dtype)."""
     import torch
     with torch.no_grad():
-        codes, scale = quantize_torch(weight.detach(), spec, name=name)
+        codes, scale = _quantize_torch_unchecked(weight.detach(), spec, None, None, None)
+        if defer_finite is None:
+            device_math.require_finite(scale, "INT4 quantization", name)
+        else:
+            defer_finite(torch.isfinite(scale).all(), name)
         return dequantize(codes, scale, spec).to(weight.dtype)
 
 
@@ -364,8 +381,25 @@ def _compiled_formula(weight, spec: Int4Spec, output: str):
     cols = weight.shape[-1]
     fn = fused.compiled("int4", (str(weight.dtype), cols), group=spec.group_size, ct=spec.preset == "ct",
                         bf16_weight=weight.dtype == torch.bfloat16, qmin=float(spec.qmin), output=output)
-    return fn, (device_math.constant(spec.divisor, weight, torch.float64),
-                device_math.constant(torch.finfo(spec.scale_dtype(weight.dtype)).eps, weight))
+    return fn, (device_math.constant(spec.divisor, weight, torch.float64, shape=(1,)),
+                device_math.constant(torch.finfo(spec.scale_dtype(weight.dtype)).eps, weight, shape=(1,)))
+
+
+def _fused_fake(weight, spec: Int4Spec, name, defer_finite):
+    """The compiled fake quantization in one call; its second output is the 0-dim "every scale
+    is finite" verdict, checked here (one synchronization) or handed to ``defer_finite``."""
+    import torch
+    _check(weight, spec)
+    if not weight.numel():
+        return torch.empty_like(weight)
+    fn, args = _compiled_formula(weight, spec, "fake")
+    out, all_finite = fn(weight.reshape(-1, weight.shape[-1]), *args)
+    if defer_finite is not None:
+        defer_finite(all_finite, name)
+    elif not bool(all_finite):
+        scales(weight, spec, name=name)       # raises, with how many scales are not finite
+        device_math.refuse_nonfinite("INT4 quantization", name, "a scale is not finite")
+    return out.reshape(weight.shape)
 
 
 def _fused_blocks(weight, spec: Int4Spec, output: str, out_main, out_scale, name):
@@ -378,11 +412,7 @@ def _fused_blocks(weight, spec: Int4Spec, output: str, out_main, out_scale, name
     sdt = spec.scale_dtype(weight.dtype)
     fn, args = _compiled_formula(weight, spec, output)
     if output == "fake":
-        if not sh.rows:
-            return torch.empty_like(weight)
-        out, s = fn(w2, *args)
-        device_math.require_finite(s, "INT4 quantization", name)
-        return out.reshape(weight.shape)
+        return _fused_fake(weight, spec, name, None)
     width = sh.cols // PACK_FACTOR if output == "packed" else sh.cols
     main_dtype = torch.int32 if output == "packed" else torch.int8
     whole = out_main is None and out_scale is None

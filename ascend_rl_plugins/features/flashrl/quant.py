@@ -157,8 +157,8 @@ def _fused_usable(kind: str, weight) -> bool:
 def _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
     return _rows_fused("int8_rows", weight, col_smooth, row_gain, _int8_outputs(weight, out, scale_out),
                        out is None and scale_out is None,
-                       (device_math.constant(QMAX, weight, torch.float64),
-                        device_math.constant(MIN_SCALE * QMAX, weight)), block_bytes)
+                       (device_math.constant(QMAX, weight, torch.float64, shape=(1,)),
+                        device_math.constant(MIN_SCALE * QMAX, weight, shape=(1,))), block_bytes)
 
 
 def _rows_fused(kind, weight, col_smooth, row_gain, outputs, whole: bool, scalars, block_bytes):
@@ -286,8 +286,8 @@ def _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, bloc
 def _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
     return _rows_fused("fp8_rows", weight, col_smooth, row_gain, _fp8_outputs(weight, "channel", out, scale_out),
                        out is None and scale_out is None,
-                       (device_math.constant(FP8_MAX, weight, torch.float64),
-                        device_math.constant(torch.finfo(torch.float32).eps, weight)), block_bytes)
+                       (device_math.constant(FP8_MAX, weight, torch.float64, shape=(1,)),
+                        device_math.constant(torch.finfo(torch.float32).eps, weight, shape=(1,))), block_bytes)
 
 
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,14 @@ FAKE_WEIGHT_CACHE = flags.define(
     "the in-scope weights between micro-batches (fake_weight_cache.py). 'off': on every forward.",
     choices=("off", "step"), feature="int4_qat")
 
+FINITE_CHECK = flags.define(
+    "ASCEND_RL_INT4_QAT_FINITE_CHECK", "enum", "step",
+    "When a non-finite (NaN/inf) weight is refused on an accelerator: 'step' reads every fake "
+    "quantization's verdict at once before the optimizer step (one synchronization per step; the error "
+    "names every such layer); 'immediate' at each layer's forward (one synchronization per layer). Both "
+    "refuse; CPUs always check immediately (finite_checks.py).",
+    choices=("step", "immediate"), feature="int4_qat")
+
 FEATURE = Feature(
     "int4_qat", "INT4 quantization-aware training (straight-through fake quant) on Megatron-Core, "
                 "bit-identical to the W4A16 rollout weights.",
@@ -103,6 +111,10 @@ def preset() -> str:
 def spec():
     from ..flashrl.int4 import Int4Spec
     return Int4Spec(group_size=group_size(), preset=preset())
+
+
+def defer_finite_checks() -> bool:
+    return FINITE_CHECK.value == "step"
 
 
 def fake_weight_cache_enabled() -> bool:

@@ -92,13 +92,16 @@ def straight_through(weight, transform, cache_key=None):
 # -- the transforms: Megatron layout -> [out, in] -> fake quantize -> Megatron layout ------------
 
 def linear_fake_quant(weight, spec, where: str = "linear"):
-    """A ``[out, in]`` weight fake-quantized (groups along ``in``)."""
+    """A ``[out, in]`` weight fake-quantized (groups along ``in``); a non-finite weight is refused,
+    naming ``where``, at once or before the optimizer step (``finite_checks.py``)."""
     from ..flashrl.int4 import fake_quantize
+    from . import defer_finite_checks
+    from .finite_checks import CHECKS
     if weight.shape[-1] % spec.group_size:
         raise Int4QatError(f"INT4 QAT: {where} has {weight.shape[-1]} input features per partition, not a "
                            f"multiple of ASCEND_RL_INT4_QAT_GROUP_SIZE={spec.group_size}; choose a group "
                            f"size that divides it (or fewer tensor-parallel ranks)")
-    return fake_quantize(weight, spec)
+    return fake_quantize(weight, spec, name=where, defer_finite=CHECKS.defer if defer_finite_checks() else None)
 
 
 def grouped_fc1_fake_quant(weight1, num_experts: int, hidden: int, spec):

@@ -99,11 +99,15 @@ def test_compiled_formulas_are_the_torch_paths_math(dtype):
     with HostScalarReciprocalDivision():
         int8 = fused.int8_rows_formula(w, None, None, d(quant.QMAX), d(quant.MIN_SCALE * quant.QMAX, torch.float32))
         fp8 = fused.fp8_rows_formula(w, None, None, d(quant.FP8_MAX), d(torch.finfo(torch.float32).eps, torch.float32))
-        bfp8 = fused.block_fp8_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)
-        bfp8_direct = fused.block_fp8_direct_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)
-        bfp8_split = fused.block_fp8_from_amax_formula(w, fused.block_amax_formula(w, 128, 128), d(448.0),
-                                                       d(2.0 ** -23, torch.float32), 128, 128)
-    assert all(map(same, bfp8_direct, block_fp8.quantize(w))) and all(map(same, bfp8_split, block_fp8.quantize(w)))
+        bfp8 = fused.block_fp8_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)[:2]
+        bfp8_direct = fused.block_fp8_direct_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)[:2]
+        scale, reciprocal = fused.block_scale_formula(w, d(448.0), d(2.0 ** -23, torch.float32), 128, 128)
+        bfp8_split = (fused.block_fp8_apply_formula(w, reciprocal, 128, 128), scale)
+        scale3, reciprocal3 = fused.block_scale_from_runs_formula(fused.block_runs_formula(w, 128), d(448.0),
+                                                                  d(2.0 ** -23, torch.float32), 128)
+        bfp8_three = (fused.block_fp8_apply_formula(w, reciprocal3, 128, 128), scale3)
+    for form in (bfp8_direct, bfp8_split, bfp8_three):
+        assert all(map(same, form, block_fp8.quantize(w)))
     assert all(map(same, int8, quant.quantize_int8_rows(w)))
     assert all(map(same, fp8, quant.quantize_fp8_rows_torch(w)))
     assert all(map(same, bfp8, block_fp8.quantize(w)))
@@ -116,6 +120,94 @@ def test_compiled_formulas_are_the_torch_paths_math(dtype):
             assert all(map(same, fused.int4_formula(w, *args, "packed"), int4.quantize_pack(w, spec)))
             assert all(map(same, fused.int4_formula(w, *args, "codes"), int4.quantize(w, spec)))
             assert same(fused.int4_formula(w, *args, "fake")[0], int4.fake_quantize(w, spec))
+
+
+def _float32_pairs(n: int, seed: int):
+    """float32 dividends and divisors: random magnitudes over a wide exponent range, and pairs
+    built so that the exact quotient lies within a few float32 ulps of a rounding midpoint
+    (``a = float32(m * b)`` for a midpoint ``m``) -- where a reciprocal multiply that is not
+    accurate enough would round the other way."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    b = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-40, 40, n)).astype(np.float32)
+    a = (rng.standard_normal(n) * 2.0 ** rng.integers(-40, 40, n)).astype(np.float32)
+    f = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-20, 20, n)).astype(np.float32)
+    ulp = np.spacing(f).astype(np.float64)
+    mid = f.astype(np.float64) + ulp / 2                       # a float32 rounding midpoint
+    a_mid = (mid * b.astype(np.float64)).astype(np.float32)    # a / b within an ulp of it
+    return np.concatenate([a, a_mid]), np.concatenate([b, b])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_reciprocal_multiply_is_the_correctly_rounded_quotient(seed):
+    """:func:`fused._times_reciprocal` (what the compiled formulas compute per element) equals the
+    correctly rounded float32 quotient -- a float64 division of the float32 operands rounded
+    once to float32 -- on 2 x 400,000 pairs, half of them next to a rounding midpoint. A
+    float32 reciprocal multiply (what CUDA does for a host scalar) fails this."""
+    import numpy as np
+    a_np, b_np = _float32_pairs(400_000, seed)
+    exact = (a_np.astype(np.float64) / b_np.astype(np.float64)).astype(np.float32)
+    normal = np.abs(exact) >= np.finfo(np.float32).tiny             # the documented range
+    a, b = torch.from_numpy(a_np[normal]), torch.from_numpy(b_np[normal])
+    got = fused._times_reciprocal(a, fused._reciprocal(b))
+    assert got.dtype == torch.float32
+    assert same(got, torch.from_numpy(exact[normal]))
+    float32_reciprocal = a * (1.0 / b)
+    assert not same(float32_reciprocal, torch.from_numpy(exact[normal]))   # the test can fail
+
+
+def test_the_compiled_formulas_take_their_constants_without_reading_them_back():
+    """Dynamo turns a 0-dim float64 tensor argument into a Python float guarded by
+    ``not isnan(t.item())``: a device-to-host read (a synchronization on an accelerator) at
+    every call of a compiled quantizer. The compiled paths pass one-element tensors instead,
+    so a warm call reads nothing back."""
+    fused.STATE.reset()
+    w = fused.probe_weight(torch.device("cpu"), torch.bfloat16, rows=64, cols=256)
+    spec = int4.Int4Spec(128, "ct")
+    fn, args = int4._compiled_formula(w, spec, "fake")
+    fn(w, *args)                                   # compile
+    reads = []
+    original = torch.Tensor.item
+
+    def counting_item(self):
+        reads.append(self.shape)
+        return original(self)
+    try:
+        torch.Tensor.item = counting_item
+        out, _ = fn(w, *args)
+    finally:
+        torch.Tensor.item = original
+    assert reads == []
+    assert all(a.shape == (1,) for a in args)
+    assert same(out, int4.fake_quantize_torch(w, spec))
+    fused.STATE.reset()
+
+
+def test_a_compiled_form_keeps_its_columns_static_after_another_width():
+    """Each width's compiled form has its own code identity, so dynamo's automatic dynamic shapes
+    never see two column counts for one form: after the first-use probe (1024 columns) a 2048-
+    column weight still compiles with static columns (rows dynamic) -- with a shared code name it
+    compiled with ``size=[None, None]``, and on an H200 block FP8 ran 13x slower that way."""
+    import logging
+    fused.STATE.reset()
+    torch._dynamo.reset()
+    guards = logging.getLogger("torch._dynamo.guards.__guards")   # dynamo's "guards" artifact log
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.extend(record.getMessage().splitlines())
+    torch._logging.set_logs(guards=True)
+    guards.addHandler(handler)
+    try:
+        for cols in (1024, 2048):
+            w = fused.probe_weight(torch.device("cpu"), torch.bfloat16, rows=256, cols=cols)
+            assert all(map(same, block_fp8._fused(w, 128, 128, None, None, "split"), block_fp8.quantize_torch(w)))
+    finally:
+        guards.removeHandler(handler)
+        torch._logging.set_logs()
+        fused.STATE.reset()
+    shapes = [line.split("size=")[1].split("]")[0] + "]" for line in lines
+              if "TENSOR_MATCH" in line and "L['w']" in line]
+    assert shapes and "[None, 2048]" in shapes and "[None, None]" not in shapes, shapes
 
 
 ENTRY_POINTS = {
@@ -212,7 +304,7 @@ def test_device_block_size_follows_free_memory(monkeypatch):
 
 
 def test_every_compiled_block_fp8_variant_compiles_to_the_torch_paths_bits():
-    """The three compiled block-FP8 forms, really compiled (inductor's CPU backend here; on an
+    """The compiled block-FP8 forms, really compiled (inductor's CPU backend here; on an
     accelerator each is also checked at first use), whole and in strips written in place."""
     fused.STATE.reset()
     w = fused.probe_weight(torch.device("cpu"), torch.bfloat16, rows=384, cols=1024)
@@ -227,13 +319,13 @@ def test_every_compiled_block_fp8_variant_compiles_to_the_torch_paths_bits():
 def test_the_fastest_verified_block_fp8_variant_is_chosen_once(monkeypatch):
     assert block_fp8.choose_variant([], lambda v: 1.0) is None
     assert block_fp8.choose_variant(["split"], lambda v: 1 / 0) == "split"      # nothing to time
-    times = {"one_graph": 3.0, "direct": 1.0, "split": 2.0}
+    times = {"one_graph": 3.0, "direct": 1.0, "split": 2.0, "three_pass": 2.5}
     timed = []
     monkeypatch.setattr(block_fp8, "_fused_usable", lambda w, bn, bk, v="one_graph": v != "direct")
     monkeypatch.setattr(block_fp8, "_time_variant", lambda w, bn, bk, v: timed.append(v) or times[v])
     fused.STATE.reset()
     w = torch.zeros(256, 256, dtype=torch.bfloat16)
     assert block_fp8._variant(w, 128, 128) == "split"          # "direct" is faster but not verified
-    assert block_fp8._variant(w, 128, 128) == "split" and timed == ["one_graph", "split"]   # timed once
+    assert block_fp8._variant(w, 128, 128) == "split" and timed == ["one_graph", "split", "three_pass"]  # once
     fused.STATE.reset()
     assert not fused.STATE.choices
