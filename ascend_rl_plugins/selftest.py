@@ -79,6 +79,17 @@ class SelftestContext:
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def host_seconds(self, fn: Callable[[], Any], reps: int = 50) -> float:
+        """Mean wall time of ``fn()`` over ``reps`` back-to-back calls, the device synchronized
+        once at the end: what a call costs when the host queues work ahead of the device (on a
+        tiny input: the host's own time per call). No warm-up call: warm ``fn`` first."""
+        self.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        self.synchronize()
+        return (time.perf_counter() - t0) / reps
+
     def copy_bandwidth(self, nbytes: int) -> float:
         """Measured device copy bandwidth in bytes/s (bytes read + bytes written)."""
         import torch

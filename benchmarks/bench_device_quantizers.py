@@ -114,15 +114,6 @@ def quotient_ab(ctx, w) -> dict:
     return out
 
 
-def _host_seconds(ctx, fn, reps: int = 200) -> float:
-    ctx.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    ctx.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
 def _item_reads(fn) -> int:
     import torch
     reads = []
@@ -160,10 +151,10 @@ def fake_quant_breakdown(ctx) -> dict:
         "entry point ms": ctx.seconds(entry) * 1e3,
         "compiled call ms": ctx.seconds(call) * 1e3,
         "verdict read ms": ctx.seconds(check) * 1e3,
-        "entry point, host ms per call on 8 rows": _host_seconds(ctx, lambda: int4.fake_quantize(tiny, spec)) * 1e3,
-        "compiled call, host ms per call on 8 rows": _host_seconds(ctx, lambda: fn(tiny, *args)) * 1e3,
-        "compiled call, back to back ms per call": _host_seconds(ctx, call, 50) * 1e3,
-        "entry point, back to back ms per call": _host_seconds(ctx, entry, 50) * 1e3,
+        "entry point, host ms per call on 8 rows": ctx.host_seconds(lambda: int4.fake_quantize(tiny, spec), 200) * 1e3,
+        "compiled call, host ms per call on 8 rows": ctx.host_seconds(lambda: fn(tiny, *args), 200) * 1e3,
+        "compiled call, back to back ms per call": ctx.host_seconds(call, 50) * 1e3,
+        "entry point, back to back ms per call": ctx.host_seconds(entry, 50) * 1e3,
         "device reads per warm compiled call": _item_reads(call),
         "device reads per warm entry-point call": _item_reads(entry),
     }

@@ -50,7 +50,7 @@ def run(ctx) -> list:
         # nearly nothing to do (guards, launch) -- tells a host-bound cost from a slow kernel
         tiny = w[:8].contiguous()
         fn(tiny, *args)
-        metrics["compiled call on 8 rows, host ms"] = _host_seconds(ctx, lambda: fn(tiny, *args)) * 1e3
+        metrics["compiled call on 8 rows, host ms"] = ctx.host_seconds(lambda: fn(tiny, *args)) * 1e3
     results.append(CheckResult(
         "int4_qat", f"cost: fake-quant ({rows}, {cols}) vs its forward matmul ({tokens} tokens)", True, "",
         metrics,
@@ -83,17 +83,6 @@ def _forward_cost(ctx, w, x, spec):
     return max(0.0, with_fq - without) / layers, without / layers
 
 
-def _host_seconds(ctx, fn, reps: int = 50) -> float:
-    """Mean wall time of ``fn()`` over ``reps`` calls, the device synchronized once at the end."""
-    import time
-    ctx.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    ctx.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
 def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
     """``ASCEND_RL_INT4_QAT_FAKE_WEIGHT_CACHE=step``: the first training forward of a step
     fake-quantizes, the later ones reuse that tensor (no device work: the host time of the lookup
@@ -117,7 +106,7 @@ def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
         first = forward()
         ok = same_bits(first.detach().cpu(), int4.fake_quantize(w.cpu(), spec))
         reps = 200
-        hit_s = _host_seconds(ctx, forward, reps)
+        hit_s = ctx.host_seconds(forward, reps)
         ok = ok and fake_weight_cache.CACHE.stats.hits == reps and fake_weight_cache.CACHE.stats.misses == 1
     finally:
         fake_weight_cache.reset()
