@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+from dataclasses import dataclass
+
 BATCH = 4   # global batch: 4 sequences of Arch.seq_len tokens
 
 
@@ -84,3 +86,37 @@ def check_layouts(cases: list) -> list:
                 "shims": megatron_shims.applied(),
                 "seconds": round(time.time() - t0, 2)})
     return results
+
+
+@dataclass
+class ScatteredColumns:
+    """What one rank of a 2-rank gloo group received when rank 0 scattered the two column
+    blocks (``torch.chunk(full, 2, dim=1)``, non-contiguous views) of a 4 x 6 ``arange``."""
+    rank: int
+    wanted: list        # its column block
+    stock: list         # what torch's own gloo scatter delivered
+    shimmed: list       # what it delivered through the gloo_strided_scatter test shim
+    storage_order: list  # the full tensor's storage read in order from the block's offset
+
+
+def scatter_column_blocks() -> ScatteredColumns:
+    """The gloo_strided_scatter shim's reason (tests/support/megatron_shims.py), on this torch."""
+    import torch
+    import torch.distributed as dist
+    from tests.support import megatron_shims
+    stock_scatter = dist.scatter
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    blocks = list(torch.chunk(full, 2, dim=1))
+    rank = dist.get_rank()
+    received = {}
+    for how in ("stock", "shimmed"):
+        if how == "shimmed":
+            megatron_shims.shim_gloo_strided_scatter()
+        out = torch.empty(4, 3)
+        dist.scatter(out, blocks if rank == 0 else None, src=0)
+        received[how] = out.tolist()
+    if dist.scatter is not stock_scatter:
+        dist.scatter = stock_scatter
+    block = blocks[rank]
+    storage = full.reshape(-1)[block.storage_offset():][:block.numel()].reshape(block.shape)
+    return ScatteredColumns(rank, block.tolist(), received["stock"], received["shimmed"], storage.tolist())

@@ -73,6 +73,22 @@ def test_parallel_layouts_match_the_single_process_model(world):
             assert r["grad_rel_err"] <= tol, f"{case}: gradient of {r['worst']} off by {r['grad_rel_err']:.2e}"
         assert len({r["loss"] for r in results}) == 1, f"ranks disagree on the global loss: {results}"
     shims = per_rank[0][-1]["shims"]
-    assert "grouped_gemm" in shims and "cuda_device_api" in shims, shims
+    assert "grouped_gemm" in shims and "cuda_device_api" in shims and "gloo_strided_scatter" in shims, shims
     if world == 4:
         assert "sequence_parallel_torch_norm" in shims and "gloo_uneven_collectives" in shims, shims
+
+
+def test_torch_gloo_scatter_still_ignores_strides_so_the_shim_stays():
+    """Pins torch's gloo scatter of non-contiguous inputs (pytorch/pytorch#24836, #192920): it
+    reads each block's storage in order and ignores its strides, which made Megatron-Bridge's
+    load of row-parallel weights wrong at TP / ETP 2 on CPU (shim 8, ``gloo_strided_scatter``,
+    tests/support/megatron_shims.py). The shim delivers each rank its block. When the stock
+    assertion fails, torch fixed it: drop the shim."""
+    from .megatron_scenarios import ScatteredColumns
+    try:
+        version("torch")
+    except PackageNotFoundError:
+        pytest.skip("torch is not installed in this interpreter")
+    for r in run_group(SCENARIOS, "scatter_column_blocks", 2, env=ENV, timeout=300, returns=ScatteredColumns):
+        assert r.shimmed == r.wanted, r
+        assert r.stock == r.storage_order != r.wanted, r

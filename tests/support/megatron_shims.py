@@ -14,11 +14,13 @@ nowhere else:
 6. ``gloo_uneven_collectives`` uneven all_gather / reduce_scatter lists on gloo
 7. ``SequenceParallelTorchNorm`` torch norm usable with sequence parallelism (spec-level,
                                used by the harness only when it enables sequence parallelism)
+8. ``gloo_strided_scatter``    non-contiguous scatter inputs on gloo as contiguous copies
 
 None of them changes numerics: they pick the device a buffer is allocated on, the stream
 a host copy is ordered on, the generator a (zero-probability) dropout draws from, how a
-collective moves the same bytes, or they compute the very same products / normalization
-that the missing CUDA kernel or module would compute. Each docstring says what it replaces
+collective moves the same bytes (8: the bytes the call's own contract names, where gloo
+moves others), or they compute the very same products / normalization that the missing
+CUDA kernel or module would compute. Each docstring says what it replaces
 and why it cannot change a value. ``install()`` applies only the ones the running
 Megatron-Core / torch need (3 is a no-op on 0.12.1) and ``applied()`` names them.
 
@@ -306,6 +308,42 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+# --- 8. scatter of non-contiguous tensors on gloo ------------------------------------------
+
+def shim_gloo_strided_scatter() -> bool:
+    """Test shim: ``torch.distributed.scatter`` on a gloo group hands gloo contiguous copies of
+    any non-contiguous ``scatter_list`` entry.
+
+    Replaces: nothing of Megatron's -- it works around torch's gloo backend, whose scatter
+    reads each input from its data pointer for ``numel()`` elements and ignores its strides
+    (pytorch/pytorch#24836, open since 2019; #192920 for scatter / broadcast / reduce;
+    NCCL refuses such input with "Tensors must be contiguous"). Megatron-Bridge 0.3.1's
+    ``RowParallelMapping.hf_to_megatron`` scatters ``torch.chunk(hf_weight, tp, dim=1)``
+    (column blocks: non-contiguous views) after ``s.to(device=..., dtype=...)``: on a GPU that
+    is a host-to-device copy, which is contiguous; on this CPU machine with a bf16 checkpoint
+    and a bf16 model it is the view itself, and every row-parallel shard the bridge loads
+    (attention ``linear_proj`` over TP, the experts' ``linear_fc2`` over ETP) is the full
+    weight's storage read in order from the block's offset -- seen with verl 0.9.1's
+    ``MegatronEngine`` at TP 2 (``tests/features/moe_reshard/verl09_mcore_engine_scenario.py``).
+    Cannot change numerics: each rank receives exactly ``scatter_list[rank]``, what the call
+    documents and what the device copy gives the bridge on a GPU; contiguous inputs and
+    non-gloo groups go through untouched. ``tests/harness/test_megatron_harness.py`` pins
+    gloo's behaviour: when torch fixes it, that test fails and this shim can go."""
+    import torch.distributed as dist
+    if getattr(dist.scatter, "_arp_shim", False):
+        return False
+    scatter = dist.scatter
+
+    def contiguous_scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, **more):
+        if scatter_list and _is_gloo(group) and not all(t.is_contiguous() for t in scatter_list):
+            scatter_list = [t.contiguous() for t in scatter_list]
+        return scatter(tensor, scatter_list, src=src, group=group, async_op=async_op, **more)
+
+    contiguous_scatter._arp_shim = True
+    dist.scatter = contiguous_scatter
+    return True
+
+
 SHIMS = {
     "cuda_device_api": shim_cuda_device_api,
     "rng_tracker": shim_rng_tracker,
@@ -313,6 +351,7 @@ SHIMS = {
     "grouped_gemm": shim_grouped_gemm,
     "split_sizes_to_host": shim_split_sizes_to_host,
     "gloo_uneven_collectives": shim_gloo_uneven_collectives,
+    "gloo_strided_scatter": shim_gloo_strided_scatter,
 }
 
 

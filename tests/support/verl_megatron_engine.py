@@ -22,6 +22,10 @@ What is not verl's default, and why (nothing here changes a weight):
   (tests/support/verl_cpu_platform.py), and ``Module.cuda`` a no-op while the model is built
   (``megatron_bridge.module_cuda_stays_on_cpu``: Megatron-Bridge's ``get_model`` moves chunks
   to CUDA because verl does not pass ``use_cpu_initialization``).
+- The harness's CPU shims (tests/support/megatron_shims.py, installed by ``parallel_groups``);
+  at TP or ETP > 1 the bridge's load of row-parallel weights needs shim 8
+  (``gloo_strided_scatter``: torch's gloo scatter ignores the strides of the column blocks
+  the bridge scatters, which on a GPU arrive as contiguous device copies).
 """
 
 from __future__ import annotations

@@ -68,11 +68,18 @@ def test_each_rank_receives_exactly_the_experts_its_map_says_once_and_vllm_loads
 
 def test_synced_engines_equal_an_engine_started_on_the_weights(synced):
     """Every parameter bit for bit (after vLLM's post-load processing, e.g. the CPU MoE
-    prepack) and the greedy tokens and logprobs."""
+    prepack), every received tensor bit for bit with W1's, and the greedy tokens and logprobs.
+    The received tensors are compared because vLLM's CPU linear layers keep their weight only
+    packed (an empty parameter: ``packed_away``), out of the parameter comparison's sight --
+    which is how a wrong ``o_proj`` once passed it (moe_reshard README, TP 2 row-parallel)."""
     _, rollouts, ref = synced
     assert rollouts[0].before != ref.tokens                     # the sync changes what is generated
     for r in rollouts:
         assert r.moe_paths == ref.moe_paths and len(r.moe_paths) == 2
+        # none where vLLM takes its plain torch linear (no oneDNN / AMX kernel)
+        assert all(n.endswith(("qkv_proj.weight", "o_proj.weight", "gate.weight")) for n in r.packed_away), r.packed_away
+        for case in CASES:
+            assert r.cases[case].received_different == [], (r.rank, case, r.cases[case].received_different)
         for case in ("live", "live_again"):
             c = r.cases[case]
             assert c.different == [], (r.rank, case, c.different)

@@ -1,16 +1,20 @@
 """moe_reshard on verl 0.9.1 with verl's real ``MegatronEngine`` on the trainer side: the
 ``ascend_rl_alltoallv`` backend takes the experts from the engine's local SequentialMLP shards
-(TP 1 / EP 2 / ETP 2, 4 gloo ranks) and the dense tensors from the engine's Megatron-Bridge
-export (expert tasks left out), and every rollout rank receives exactly its hosted experts,
-once, and every dense tensor, all bit-identical to the checkpoint the engine was built from.
+and the dense tensors from the engine's Megatron-Bridge export (expert tasks left out), and
+every rollout rank receives exactly its hosted experts, once, and every dense tensor, all
+bit-identical to the checkpoint the engine was built from -- for two training layouts on 4
+gloo ranks, run one after the other in the same processes: TP 1 / EP 2 / ETP 2 and TP 2 /
+EP 2 / ETP 1 (dense layers tensor-parallel, row-parallel ``linear_proj`` included).
 
 Real: verl 0.9.1's ``MegatronEngineWithLMHead`` built and initialized by verl through
 Megatron-Bridge 0.3.1 (Megatron-Core 0.16.1 local layers), verl's ``CheckpointEngineRegistry``
 building the backend on both sides. What stands in: a TransformerEngine double for
 Megatron-Bridge's imports and a CPU device platform for verl (tests/support/
-verl_megatron_engine.py), Ray (the scenario runs verl's prepare / topology / send + receive /
-finalize steps); no vLLM engine behind the rollout ranks (test_verl09_engine.py covers that
-hop with the harness's model). Also pins two upstream failures of Megatron-Bridge 0.3.1.
+verl_megatron_engine.py), the harness's CPU shims (tests/support/megatron_shims.py; 8 makes
+torch's gloo scatter honour strides, which Megatron-Bridge's row-parallel load needs on CPU),
+Ray (the scenario runs verl's prepare / topology / send + receive / finalize steps); no vLLM
+engine behind the rollout ranks (test_verl09_engine.py covers that hop with the harness's
+model). Also pins two upstream failures of Megatron-Bridge 0.3.1.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pytest
 from tests.support.child import free_port, run_group, run_scenario
 from tests.support.stacks import require_installed
 
-from .verl09_mcore_engine_scenario import NUM_EXPERTS, ROLLOUTS, SYNCS, TRAINERS, MegatronTrainer, RolloutReceipt
+from .verl09_mcore_engine_scenario import LAYOUTS, NUM_EXPERTS, ROLLOUTS, SYNCS, TRAINERS, MegatronTrainer, RolloutReceipt
 
 SCENARIO = "tests.features.moe_reshard.verl09_mcore_engine_scenario"
 ENV = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ASCEND_RL_AUTOLOAD="0", ASCEND_RL_MOE_RESHARD="auto",
@@ -37,29 +41,33 @@ def synced():
         pytest.skip(f"the checkpoint-engine backend and MegatronEngine are verl 0.9's (this stack has verl {version})")
     require_installed("megatron-bridge")
     hf_dir = run_scenario(SCENARIO, "prepare", env=ENV, timeout=600)
-    port = free_port()
+    ports = [free_port() for _ in LAYOUTS]
     with concurrent.futures.ThreadPoolExecutor(1 + ROLLOUTS) as pool:
-        trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, port, hf_dir, env=ENV, timeout=900,
+        trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, ports, hf_dir, env=ENV, timeout=900,
                                returns=MegatronTrainer)
-        rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", port, r, hf_dir, env=ENV, timeout=900,
+        rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", ports, r, hf_dir, env=ENV, timeout=900,
                                 returns=RolloutReceipt) for r in range(ROLLOUTS)]
         return trainers.result(), [r.result() for r in rollouts]
 
 
-def test_the_trainer_is_verls_megatron_engine_with_sequential_experts(synced):
+def test_the_trainer_is_verls_megatron_engine_with_sequential_experts_in_each_layout(synced):
     trainers, _ = synced
     assert [t.rank for t in trainers] == list(range(TRAINERS))
     for t in trainers:
-        assert t.engine == "MegatronEngineWithLMHead" and t.experts == ["SequentialMLP"], t
+        assert list(t.layouts) == list(LAYOUTS)
+        for name, run in t.layouts.items():
+            assert run.engine == "MegatronEngineWithLMHead" and run.experts == ["SequentialMLP"], (t.rank, name, run)
+            assert run.sizes == LAYOUTS[name], (t.rank, name, run.sizes)
 
 
-def test_each_rollout_rank_receives_exactly_its_experts_once_and_every_dense_tensor(synced):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_rollout_rank_receives_exactly_its_experts_once_and_every_dense_tensor(synced, layout):
     _, rollouts = synced
     half = NUM_EXPERTS // ROLLOUTS
     for r in rollouts:
         dense = [n for n in r.checkpoint if ".mlp.experts." not in n]
         for sync in SYNCS:
-            s = r.syncs[sync]
+            s = r.layouts[layout][sync]
             assert s.resharded and s.reason == "", (r.rank, sync, s.reason)
             hosted = list(range(r.rank * half, (r.rank + 1) * half))
             assert s.expert_map == hosted and s.experts == hosted
@@ -69,29 +77,44 @@ def test_each_rollout_rank_receives_exactly_its_experts_once_and_every_dense_ten
             assert s.from_broadcast == len(dense)
 
 
-def test_everything_received_is_bit_identical_to_the_checkpoint(synced):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_everything_received_is_bit_identical_to_the_checkpoint(synced, layout):
+    """At TP 2 this covers the row-parallel ``linear_proj`` (and at ETP 2 the experts'
+    ``linear_fc2``) through Megatron-Bridge's own load and export."""
     _, rollouts = synced
     for r in rollouts:
         for sync in SYNCS:
-            assert r.syncs[sync].different == [], (r.rank, sync)
+            assert r.layouts[layout][sync].different == [], (r.rank, layout, sync)
 
 
-def test_every_rank_agrees_on_the_plan_and_the_second_sync_takes_it_from_the_cache(synced):
+def test_every_rank_agrees_on_each_layouts_plan_and_the_second_sync_takes_it_from_the_cache(synced):
     trainers, rollouts = synced
-    for sync in SYNCS:
-        keys = {t.syncs[sync].plan_key for t in trainers} | {r.syncs[sync].plan_key for r in rollouts}
-        assert len(keys) == 1 and keys != {""}, (sync, keys)
-        assert all(t.syncs[sync].resharded for t in trainers)
-    assert all(t.syncs["again"].plan_cached for t in trainers) and all(r.syncs["again"].plan_cached for r in rollouts)
+    first_keys = set()
+    for layout in LAYOUTS:
+        for sync in SYNCS:
+            keys = ({t.layouts[layout].syncs[sync].plan_key for t in trainers}
+                    | {r.layouts[layout][sync].plan_key for r in rollouts})
+            assert len(keys) == 1 and keys != {""}, (layout, sync, keys)
+            assert all(t.layouts[layout].syncs[sync].resharded for t in trainers)
+        first_keys |= {trainers[0].layouts[layout].syncs["first"].plan_key}
+        assert not any(t.layouts[layout].syncs["first"].plan_cached for t in trainers), layout
+        assert all(t.layouts[layout].syncs["again"].plan_cached for t in trainers), layout
+        assert all(r.layouts[layout]["again"].plan_cached for r in rollouts), layout
+    assert len(first_keys) == len(LAYOUTS), first_keys          # the plan depends on the training layout
 
 
 def test_upstream_bridge_still_loads_sequential_experts_of_ep_rank_1_from_ep_rank_0(synced):
     """Pins Megatron-Bridge 0.3.1's load of SequentialMLP experts at EP > 1 (README, (a')): on
-    EP rank 1 (global experts 2-3) no expert parameter holds its HF expert. When this fails,
-    upstream fixed it: drop ``load_global_experts``' correction and update the README."""
+    EP rank 1 (global experts 2-3) no expert parameter holds its HF expert, while EP rank 0's
+    all do (with ETP 2 too: its ``linear_fc2`` is row-parallel over expert-TP). When this
+    fails, upstream fixed it: drop ``load_global_experts``' correction and update the README."""
     trainers, _ = synced
-    upper = [ok for t in trainers for _, e, ok in t.bridge_loaded_experts if e >= NUM_EXPERTS // 2]
-    assert len(upper) == 2 * LAYERS * 2 * 2 and not any(upper)   # 2 ranks x layers x 2 experts x fc1/fc2
+    for layout in LAYOUTS:
+        loaded = [(e, ok) for t in trainers for _, e, ok in t.layouts[layout].bridge_loaded_experts]
+        upper = [ok for e, ok in loaded if e >= NUM_EXPERTS // 2]
+        lower = [ok for e, ok in loaded if e < NUM_EXPERTS // 2]
+        assert len(upper) == len(lower) == 2 * LAYERS * 2 * 2, layout   # 2 ranks x layers x 2 experts x fc1/fc2
+        assert not any(upper) and all(lower), (layout, loaded)
 
 
 def test_upstream_stock_export_still_fails_for_sequential_experts_over_ep(synced):
@@ -101,4 +124,5 @@ def test_upstream_stock_export_still_fails_for_sequential_experts_over_ep(synced
     (the backend's fallback, the full export, then works for this model too): update the README."""
     trainers, _ = synced
     for t in trainers:
-        assert t.stock_export.startswith("ValueError: invalid literal for int()"), t.stock_export
+        for layout, run in t.layouts.items():
+            assert run.stock_export.startswith("ValueError: invalid literal for int()"), (layout, run.stock_export)

@@ -26,7 +26,11 @@ configured rule, as a sync keyed on a stale map would), ``live`` (the maps read 
 engines at sync time: a new plan), ``live_again`` (the cached plan). After each, every rollout
 rank loads what it received through vLLM's own loader (``vllm_side.LiveRollout.load``: the
 layerwise reload around ``model.load_weights``), generates greedily and keeps its parameters;
-at the end it compares them with the reference engine's.
+at the end it compares them with the reference engine's. Each received tensor is also compared
+with W1's as it arrives: vLLM 0.23's CPU linear layers pack their weight for oneDNN / the AMX
+kernel after loading and leave an empty ``weight`` parameter (``dispatch_cpu_unquantized_gemm``,
+``remove_weight``), so the parameter comparison cannot see ``qkv_proj``, ``o_proj`` or the
+router ``gate`` -- only the tokens and this comparison do (``packed_away`` lists them).
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ class SyncCase(RolloutSync):
     loaded: int                 # tensors vLLM's loader consumed
     tokens: list                # greedy tokens per prompt after the load
     logprobs: list
+    received_different: list = field(default_factory=list)   # received tensors != W1's (cast to its dtype)
     different: list = field(default_factory=list)   # parameters != the reference engine's
 
 
@@ -111,6 +116,7 @@ class RolloutOutcome:
     before: list                # greedy tokens on W0
     cases: dict                 # case -> SyncCase
     parameters: int
+    packed_away: list = field(default_factory=list)  # parameters vLLM's CPU linear emptied (weight packed)
 
     @classmethod
     def from_json(cls, d: dict) -> "RolloutOutcome":
@@ -213,6 +219,7 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
     from ascend_rl_plugins.features.moe_reshard.vllm_side import LiveRollout
 
     from .engine_scenario import _generate, _runner, moe_paths
+    w1 = load_file(os.path.join(paths["w1"], "model.safetensors"))
     llm = _llm(paths["w0"])
     runner = _runner(llm)
     live = LiveRollout.of_runner(runner)
@@ -222,11 +229,13 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
     cases, states = {}, {}
     for case in CASES:
         engine.live_expert_map = None if case == "stale" else live.expert_map
-        names = []
+        names, received_different = [], []
 
-        def received(stream, names=names):
+        def received(stream, names=names, received_different=received_different):
             for name, tensor in stream:
                 names.append(name)
+                if name not in w1 or not torch.equal(tensor.to(w1[name].dtype), w1[name]):
+                    received_different.append(name)
                 yield name, tensor
         loaded = live.load(received(engine.receive_weights()))
         r = engine.last
@@ -234,7 +243,7 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
         experts = [n for n in names if parse_hf_expert_name(n)]
         cases[case] = SyncCase(
             **RolloutSync.of(r), expert_ids=sorted({parse_hf_expert_name(n)[1] for n in experts}), expert_tensors=len(experts),
-            unique_names=len(set(names)), received=len(names), loaded=loaded,
+            unique_names=len(set(names)), received=len(names), loaded=loaded, received_different=received_different,
             tokens=[o["tokens"] for o in outs], logprobs=[o["logprobs"] for o in outs])
         states[case] = _state(live.model)
     engine.finalize()
@@ -248,5 +257,6 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
         cases[case].different = sorted(n for n in ref if n not in state or not (
             state[n].dtype == ref[n].dtype and state[n].shape == ref[n].shape and torch.equal(state[n], ref[n])))
     outcome = RolloutOutcome(rank=rank, live_map=list(live.expert_map()), moe_paths=moe_paths(live.model),
-                             before=before, cases=cases, parameters=len(ref))
+                             before=before, cases=cases, parameters=len(ref),
+                             packed_away=sorted(n for n, p in live.model.named_parameters() if p.numel() == 0))
     return dataclasses.asdict(outcome)
