@@ -88,12 +88,13 @@ def test_the_installed_wheel_imports_runs_doctor_and_loads_hdps_default_cost_mod
 
 @pytest.mark.engine
 def test_a_vllm_engine_loads_the_installed_wheel_through_its_plugin_loader(installed, tmp_path, tiny_model_path):
-    from tests.support.child import ENGINE_ENV
+    from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV
     from tests.support.stacks import vllm_version
     if vllm_version() is None:
         pytest.skip("needs vLLM")
     result = run_scenario("tests.installed_wheel_scenario", "engine_from_installed", installed, tiny_model_path,
                           cwd=str(tmp_path), path_first=installed,
-                          env=dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_GC_OFF="1"), timeout=900)
+                          env=dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", ASCEND_RL_GC_OFF="1"),
+                          timeout=900)  # one greedy request
     assert result["from_site"] and result["tokens"] == 4, result
     assert result["activated_by"][0] == "vllm.general_plugins" and result["gc_off"] == "applied", result

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 from tests.support.stacks import running_stack
 
 SCENARIO = "tests.features.cpu_fused_moe_fallback.engine_scenario"
@@ -28,7 +28,8 @@ def runs():
     model = tiny_qwen3.cached(moe=True)
     env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
     with ThreadPoolExecutor(2) as pool:
-        engine = pool.submit(run_scenario, SCENARIO, "fallback_engine", model, env=env, timeout=900)
+        engine = pool.submit(run_scenario, SCENARIO, "fallback_engine", model, env=dict(env, **GREEDY_ENGINE_ENV),
+                             timeout=900)  # greedy requests only
         hf = pool.submit(run_scenario, SCENARIO, "reference", model, env=env, timeout=600)
         return {"engine": engine.result(), "hf": hf.result()}
 

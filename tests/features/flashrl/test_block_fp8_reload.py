@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 from tests.support.stacks import running_stack
 
 torch = pytest.importorskip("torch")
@@ -38,7 +38,8 @@ def engines(tmp_path_factory):
     from . import block_fp8_engine_scenario
     wd = str(tmp_path_factory.mktemp("flashrl_block_fp8"))
     paths = block_fp8_engine_scenario.build_artifacts(wd)
-    base = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    # every generation is greedy (engine_scenario._generate)
+    base = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
     jobs = {"reload": dict(base, ASCEND_RL_FLASHRL=paths["config"]), "direct": base}
     with ThreadPoolExecutor(2) as pool:
         futures = {role: pool.submit(run_scenario, SCENARIO, "run", role, paths, wd, env=env, timeout=1200)

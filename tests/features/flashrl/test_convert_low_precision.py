@@ -240,7 +240,7 @@ def _reference_logits(w4_dir: str, src_dir: str, ids: list[int], quantized: bool
 @pytest.mark.engine
 def test_vllm_023_cpu_serves_the_w4a16_checkpoint(tiny_model_path, tmp_path):
     from tests.support import stacks
-    from tests.support.child import ENGINE_ENV, run_scenario
+    from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
     stack = stacks.running_stack()
     if stack is None:
         pytest.skip("needs the recipe (vLLM 0.13) or current (vLLM 0.23) stack")
@@ -254,8 +254,9 @@ def test_vllm_023_cpu_serves_the_w4a16_checkpoint(tiny_model_path, tmp_path):
     out = str(tmp_path / "w4")
     assert _cli("-m", tiny_model_path, "-o", out, "--fn", "w4a16", "--group-size", "64") == 0
     res = run_scenario("tests.features.flashrl.test_convert_low_precision", "serve_w4a16", out, no_matmul is None,
-                       # W4A16 on every CPU (on AMX, vLLM's default is W4A8: int8 activations)
-                       env=dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", VLLM_CPU_INT4_W4A8="0"), timeout=900)
+                       # W4A16 on every CPU (on AMX, vLLM's default is W4A8: int8 activations); greedy
+                       env=dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", VLLM_CPU_INT4_W4A8="0"),
+                       timeout=900)
     assert any("WNA16" in k for k in res["kernels"]), res["kernels"]
     # 2 layers x (qkv, o, gate_up, down): vLLM holds the checkpoint's codes and scales, in the
     # layout its W4A16 kernel multiplies by

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 from tests.support.stacks import running_stack
 
 from . import engine_scenario
@@ -40,7 +40,9 @@ def engines(artifacts):
     if running_stack() != "current":
         pytest.skip("vLLM 0.13 cannot run FP8 W8A8 on CPU even with the capability check doubled")
     wd, paths = artifacts
-    base = dict(ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    # every generation is greedy (engine_scenario._generate)
+    base = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_FLASHRL_LMHEAD_FP32="1", ASCEND_RL_AUTOLOAD="0",
+                OMP_NUM_THREADS="1")
     jobs = {"fp8_reload": dict(base, ASCEND_RL_FLASHRL=paths["fp8_config"]), "fp8_direct": base}
     with ThreadPoolExecutor(2) as pool:
         futures = {role: pool.submit(run_scenario, SCENARIO, "run", role, paths, wd, env=env, timeout=1200)

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 from tests.support.stacks import running_stack
 
 torch = pytest.importorskip("torch")
@@ -56,7 +56,8 @@ def engines(artifacts):
                     "mixed-precision kernel, Dynamic4bitLinearKernel, takes signed int4 weights with dynamic "
                     "activations, not W4A16's uint4b8), so no W4A16 engine can start on the recipe stack")
     wd, paths = artifacts
-    base = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1", VLLM_CPU_INT4_W4A8="0")
+    # every generation is greedy (engine_scenario._generate)
+    base = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1", VLLM_CPU_INT4_W4A8="0")
     jobs = {"reload": dict(base, ASCEND_RL_FLASHRL=paths["config"]), "direct": base}
     from .test_engine_reload import verl_source
     verl_src = verl_source()

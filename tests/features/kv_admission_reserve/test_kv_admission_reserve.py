@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 from tests.support.stacks import STACKS, source, vllm_version
 
 SCENARIO = "tests.features.kv_admission_reserve.scenario"
@@ -20,9 +20,9 @@ needs_vllm = pytest.mark.skipif(vllm_version() is None, reason="vLLM is not inst
 @pytest.fixture(scope="module")
 def runs(tiny_model_path):
     # one engine for every reserve: the flag starts non-zero so the plugin applies the
-    # patch; reserve 0 runs with the patch reverted (stock vLLM)
+    # patch; reserve 0 runs with the patch reverted (stock vLLM); every request is greedy
     return run_scenario(SCENARIO, "engine_runs", [0, 64, 256],
-                        env=dict(ENGINE_ENV, ASCEND_RL_KV_ADMISSION_RESERVE="256"), timeout=900)
+                        env=dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_KV_ADMISSION_RESERVE="256"), timeout=900)
 
 
 @needs_vllm

@@ -16,11 +16,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
 from tests.support.stacks import running_stack
 
 MODULE = "tests.features.moe_reshard.engine_scenario"
-ENV = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
+# the engines generate greedily only (engine_scenario._generate)
+ENV = dict(ENGINE_ENV, **GREEDY_ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", OMP_NUM_THREADS="1")
 
 
 def _verl_06() -> bool:

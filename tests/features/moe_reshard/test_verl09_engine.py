@@ -15,7 +15,7 @@ import concurrent.futures
 
 import pytest
 
-from tests.support.child import ENGINE_ENV, free_port, run_group, run_scenario
+from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, free_port, run_group, run_scenario
 from tests.support.stacks import require_installed
 
 from .verl09_engine_scenario import CASES, NUM_EXPERTS, ROLLOUTS, TRAINERS, Reference, RolloutOutcome, TrainerRun
@@ -23,6 +23,9 @@ from .verl09_engine_scenario import CASES, NUM_EXPERTS, ROLLOUTS, TRAINERS, Refe
 SCENARIO = "tests.features.moe_reshard.verl09_engine_scenario"
 ENV = dict(ENGINE_ENV, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ASCEND_RL_AUTOLOAD="0",
            ASCEND_RL_MOE_RESHARD="auto", ASCEND_RL_MOE_RESHARD_BUCKET_MB="1")
+# the vLLM engines (reference and rollouts) generate greedily only; the Megatron trainer group
+# keeps torch.compile on (Megatron-Core's jit_fuser may be torch.compile)
+ENGINE_PROCESS_ENV = dict(ENV, **GREEDY_ENGINE_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +37,11 @@ def synced(tmp_path_factory):
     paths = run_scenario(SCENARIO, "prepare", out, env=ENV, timeout=600)
     port = free_port()
     with concurrent.futures.ThreadPoolExecutor(2 + ROLLOUTS) as pool:
-        ref = pool.submit(run_scenario, SCENARIO, "reference", paths, out, env=ENV, timeout=900)
+        ref = pool.submit(run_scenario, SCENARIO, "reference", paths, out, env=ENGINE_PROCESS_ENV, timeout=900)
         trainers = pool.submit(run_group, SCENARIO, "trainer", TRAINERS, port, paths, env=ENV, timeout=900,
                                returns=TrainerRun)
-        rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", port, r, paths, out, env=ENV, timeout=900)
+        rollouts = [pool.submit(run_scenario, SCENARIO, "rollout", port, r, paths, out, env=ENGINE_PROCESS_ENV,
+                                timeout=900)
                     for r in range(ROLLOUTS)]
         return (trainers.result(), [RolloutOutcome.from_json(r.result()) for r in rollouts],
                 Reference(**ref.result()))
