@@ -165,8 +165,8 @@ def fp8_rows_formula(w, col, gain, fp8_max, eps):
 def int4_formula(w, divisor, eps, group: int, ct: bool, bf16_weight: bool, qmin: float, output: str):
     """INT4 of a 2-D block (:mod:`.int4`'s torch math). ``output``: ``"packed"`` -> (int32
     words, stored scale), ``"codes"`` -> (int8 codes, stored scale), ``"fake"`` -> (the
-    dequantized weight in ``w``'s dtype, a 0-dim bool: every scale is finite -- the
-    non-finite check's verdict made inside the kernel, so the caller launches nothing for it)."""
+    dequantized weight in ``w``'s dtype, a 0-dim bool: every weight of the block is finite --
+    the non-finite check's verdict made inside the kernel, so the caller launches nothing for it)."""
     import torch
     rows, cols = w.shape
     g = w.reshape(rows, cols // group, group).to(torch.float32)

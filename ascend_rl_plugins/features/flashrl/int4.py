@@ -386,8 +386,8 @@ def _compiled_formula(weight, spec: Int4Spec, output: str):
 
 
 def _fused_fake(weight, spec: Int4Spec, name, defer_finite):
-    """The compiled fake quantization in one call; its second output is the 0-dim "every scale
-    is finite" verdict, checked here (one synchronization) or handed to ``defer_finite``."""
+    """The compiled fake quantization in one call; its second output is the 0-dim "every weight
+    is finite" verdict (a NaN or inf weight makes its group's scale non-finite), checked here (one synchronization) or handed to ``defer_finite``."""
     import torch
     _check(weight, spec)
     if not weight.numel():

@@ -29,7 +29,7 @@ MAX_PENDING = 512
 
 @dataclasses.dataclass
 class PendingVerdict:
-    """One fake quantization's "every scale is finite" (a 0-dim bool on its device), unread."""
+    """One fake quantization's "every weight is finite" (a 0-dim bool on its device), unread."""
     name: str
     all_finite: Any
 
