@@ -193,6 +193,24 @@ def _state(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def reference_parameters(out_dir: str, timeout: float = 600) -> dict:
+    """The reference engine's parameters, once :func:`reference` (another process) wrote them."""
+    from safetensors.torch import load_file
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(out_dir, "reference.done")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the reference engine wrote no parameters in {timeout:.0f} s")
+        time.sleep(0.5)
+    return load_file(os.path.join(out_dir, "reference.safetensors"))
+
+
+def differing_parameters(ref: dict, state: dict) -> list[str]:
+    """Names of the reference parameters that ``state`` lacks or holds with other dtype, shape or bits."""
+    import torch
+    return sorted(n for n in ref if n not in state or not (
+        state[n].dtype == ref[n].dtype and state[n].shape == ref[n].shape and torch.equal(state[n], ref[n])))
+
+
 def reference(paths: dict, out_dir: str) -> dict:
     """An engine started on W1: its greedy outputs and parameters (written for the rollout ranks)."""
     from safetensors.torch import save_file
@@ -247,15 +265,9 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
             tokens=[o["tokens"] for o in outs], logprobs=[o["logprobs"] for o in outs])
         states[case] = _state(live.model)
     engine.finalize()
-    deadline = time.monotonic() + 600
-    while not os.path.exists(os.path.join(out_dir, "reference.done")):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the reference engine wrote no parameters in 600 s")
-        time.sleep(0.5)
-    ref = load_file(os.path.join(out_dir, "reference.safetensors"))
+    ref = reference_parameters(out_dir)
     for case, state in states.items():
-        cases[case].different = sorted(n for n in ref if n not in state or not (
-            state[n].dtype == ref[n].dtype and state[n].shape == ref[n].shape and torch.equal(state[n], ref[n])))
+        cases[case].different = differing_parameters(ref, state)
     outcome = RolloutOutcome(rank=rank, live_map=list(live.expert_map()), moe_paths=moe_paths(live.model),
                              before=before, cases=cases, parameters=len(ref),
                              packed_away=sorted(n for n, p in live.model.named_parameters() if p.numel() == 0))

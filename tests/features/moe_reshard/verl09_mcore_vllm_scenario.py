@@ -28,7 +28,7 @@ import os
 
 from dataclasses import asdict, dataclass
 
-from .verl09_engine_scenario import RolloutSync, TrainerRun, send_syncs
+from .verl09_engine_scenario import RolloutSync, TrainerRun, differing_parameters, reference_parameters, send_syncs
 from .verl09_mcore_engine_scenario import MODEL, load_global_experts
 from .verl09_scenario import _engine
 
@@ -92,7 +92,6 @@ def trainer(port: int, hf_dir: str) -> dict:
 def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
     import faulthandler
     import sys
-    import time
 
     import torch
     from safetensors.torch import load_file
@@ -122,15 +121,9 @@ def rollout(port: int, rank: int, paths: dict, out_dir: str) -> dict:
     report = engine.last
     engine.finalize()
     outs = _generate(llm)
-    deadline = time.monotonic() + 600
-    while not os.path.exists(os.path.join(out_dir, "reference.done")):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the reference engine wrote no parameters in 600 s")
-        time.sleep(0.5)
-    ref = load_file(os.path.join(out_dir, "reference.safetensors"))
+    ref = reference_parameters(out_dir)
     kept = {n: p.detach() for n, p in live.model.named_parameters()}
-    different = sorted(n for n in ref if n not in kept or not (
-        kept[n].dtype == ref[n].dtype and kept[n].shape == ref[n].shape and torch.equal(kept[n], ref[n])))
+    different = differing_parameters(ref, kept)
     return asdict(SyncedEngine(
         **RolloutSync.of(report), rank=rank, before=before,
         experts=sorted({parse_hf_expert_name(n)[1] for n in names if parse_hf_expert_name(n)}),
