@@ -368,8 +368,7 @@ def _fused_usable(weight, spec: Int4Spec) -> bool:
                         quantize_pack_torch(probe, spec)))
                 and all(map(fused.same_bits, _fused_blocks(probe, spec, "codes", None, None, None),
                             quantize_torch(probe, spec)))
-                and fused.same_bits(_fused_blocks(probe, spec, "fake", None, None, None),
-                                    fake_quantize_torch(probe, spec)))
+                and fused.same_bits(_fused_fake(probe, spec, None, None), fake_quantize_torch(probe, spec)))
     return fused.usable(f"int4 {spec.preset} g{spec.group_size}", weight, check)
 
 
@@ -386,8 +385,8 @@ def _compiled_formula(weight, spec: Int4Spec, output: str):
 
 
 def _fused_fake(weight, spec: Int4Spec, name, defer_finite):
-    """The compiled fake quantization in one call; its second output is the 0-dim "every weight
-    is finite" verdict (a NaN or inf weight makes its group's scale non-finite), checked here (one synchronization) or handed to ``defer_finite``."""
+    """The compiled fake quantization in one call. Its second output is the 0-dim "every weight
+    is finite" verdict, checked here (one synchronization) or handed to ``defer_finite``."""
     import torch
     _check(weight, spec)
     if not weight.numel():
@@ -403,16 +402,15 @@ def _fused_fake(weight, spec: Int4Spec, name, defer_finite):
 
 
 def _fused_blocks(weight, spec: Int4Spec, output: str, out_main, out_scale, name):
-    """Run :func:`.fused.int4_formula` over the weight: in one call when the result is returned,
-    else in row blocks whose temporary output is about the device block size, copied into
-    ``out_main`` / ``out_scale``."""
+    """Run :func:`.fused.int4_formula` (output ``packed`` or ``codes``; ``fake`` is
+    :func:`_fused_fake`) over the weight: in one call when the result is returned, else in row
+    blocks whose temporary output is about the device block size, copied into ``out_main`` /
+    ``out_scale``."""
     import torch
     sh = _check(weight, spec)
     w2 = weight.detach().reshape(sh.rows, sh.cols)
     sdt = spec.scale_dtype(weight.dtype)
     fn, args = _compiled_formula(weight, spec, output)
-    if output == "fake":
-        return _fused_fake(weight, spec, name, None)
     width = sh.cols // PACK_FACTOR if output == "packed" else sh.cols
     main_dtype = torch.int32 if output == "packed" else torch.int8
     whole = out_main is None and out_scale is None
