@@ -218,23 +218,40 @@ class Harness:
             return _glu_chunk(full, self.etp_size, self.etp_rank)
         return _chunk(full, self.etp_size, self.etp_rank, 1)
 
+    def _local_expert(self, name: str, canonical: dict):
+        """This rank's value of expert parameter ``name`` from canonical tensors, or None where
+        ``name`` is not a routed-expert parameter."""
+        import torch
+        prefix, _, leaf = name.partition("mlp.experts.")
+        if leaf.startswith("local_experts."):                           # SequentialMLP
+            _, i, which, _ = leaf.split(".")
+            return self._expert(prefix, int(i), which, canonical)
+        if leaf in ("weight1", "weight2"):                               # GroupedMLP
+            which = "linear_fc1" if leaf == "weight1" else "linear_fc2"
+            per_expert = [self._expert(prefix, i, which, canonical).t() for i in range(self.local_experts)]
+            stacked = torch.stack(per_expert)                            # [n, hidden, 2f] / [n, f, hidden]
+            return stacked.reshape(self.arch.hidden, -1) if leaf == "weight1" else stacked.reshape(-1, self.arch.hidden)
+        return None
+
+    def local_expert_view(self, canonical: dict) -> dict:
+        """``local_view`` of the routed-expert parameters only (``canonical`` needs only the
+        ``...mlp.experts.local_experts.{e}.linear_fc{1,2}.weight`` tensors): how a model built
+        elsewhere (e.g. through Megatron-Bridge) gets checkpoint experts into its storage."""
+        out = {}
+        for name, _ in self.model.named_parameters():
+            local = self._local_expert(name, canonical)
+            if local is not None:
+                out[name] = local
+        return out
+
     def local_view(self, canonical: dict) -> dict:
         """This rank's tensors (by local parameter name) of canonical full tensors --
         weights, or gradients of the 1-process model."""
-        import torch
         out = {}
         for name, _ in self.model.named_parameters():
-            prefix, _, leaf = name.partition("mlp.experts.")
-            if leaf.startswith("local_experts."):                       # SequentialMLP
-                _, i, which, _ = leaf.split(".")
-                out[name] = self._expert(prefix, int(i), which, canonical)
-            elif leaf in ("weight1", "weight2"):                         # GroupedMLP
-                which = "linear_fc1" if leaf == "weight1" else "linear_fc2"
-                per_expert = [self._expert(prefix, i, which, canonical).t()
-                              for i in range(self.local_experts)]
-                stacked = torch.stack(per_expert)                        # [n, hidden, 2f] / [n, f, hidden]
-                out[name] = stacked.reshape(self.arch.hidden, -1) if leaf == "weight1" \
-                    else stacked.reshape(-1, self.arch.hidden)
+            local = self._local_expert(name, canonical)
+            if local is not None:
+                out[name] = local
             else:
                 full = canonical[name]
                 if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):

@@ -96,3 +96,34 @@ def module_cuda_stays_on_cpu():
         yield
     finally:
         torch.nn.Module.cuda = original
+
+
+@contextlib.contextmanager
+def bridge_load_skips_unmapped_params():
+    """Test shim for building a legacy ``GroupedMLP`` model through Megatron-Bridge 0.3.1: while
+    active, ``MegatronModelBridge.build_conversion_tasks`` returns its task list without the
+    ``None`` entries it leaves for parameters that have no mapping.
+
+    Why: the bridge has no mapping for ``GroupedMLP``'s ``weight1`` / ``weight2`` (its Qwen3-MoE
+    patterns name ``experts.linear_fc<N>.weight*`` (TEGroupedMLP) and
+    ``experts.local_experts.*.linear_fc<N>.weight`` (SequentialMLP)), so their tasks stay ``None``
+    and ``load_weights_hf_to_megatron`` fails on the first with ``AttributeError: 'NoneType'
+    object has no attribute 'megatron_module'`` -- verl 0.9.1's ``MegatronEngine.initialize()``
+    cannot build such a model at all (README of moe_reshard, upstream failure (b);
+    ``test_verl09_mcore_engine.py`` pins it on the built engine with the shim off). With the
+    shim the load skips exactly those parameters, as it already skips the ones it finds no HF
+    tensor for, and loads every other one as stock does; the skipped ``weight1`` / ``weight2``
+    keep their uninitialized storage until the test puts the checkpoint's experts in. Active
+    only around ``initialize()``: the export path (``get_conversion_tasks``) stays stock.
+    Changes which parameters the bridge loads, never a value it loads (the same tasks, in the
+    same order, on every rank, so the collectives of the tasks kept still pair up)."""
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    original = MegatronModelBridge.build_conversion_tasks
+
+    def mapped_only(self, hf_pretrained, megatron_model):
+        return [task for task in original(self, hf_pretrained, megatron_model) if task is not None]
+    MegatronModelBridge.build_conversion_tasks = mapped_only
+    try:
+        yield
+    finally:
+        MegatronModelBridge.build_conversion_tasks = original

@@ -22,6 +22,12 @@ What is not verl's default, and why (nothing here changes a weight):
   (tests/support/verl_cpu_platform.py), and ``Module.cuda`` a no-op while the model is built
   (``megatron_bridge.module_cuda_stays_on_cpu``: Megatron-Bridge's ``get_model`` moves chunks
   to CUDA because verl does not pass ``use_cpu_initialization``).
+- For ``moe="grouped"`` (legacy ``GroupedMLP``) a fourth, around ``initialize()`` only:
+  ``megatron_bridge.bridge_load_skips_unmapped_params`` -- Megatron-Bridge 0.3.1 has no mapping
+  for ``weight1`` / ``weight2`` and its load fails on their ``None`` tasks (upstream failure
+  (b) of the moe_reshard README); with the shim it loads everything else and leaves those two
+  uninitialized (``perform_initialization`` is off): the caller puts the experts in. The
+  ``grouped_gemm`` package ``GroupedMLP`` asserts at construction is the harness's shim 4.
 - The harness's CPU shims (tests/support/megatron_shims.py, installed by ``parallel_groups``);
   at TP or ETP > 1 the bridge's load of row-parallel weights needs shim 8
   (``gloo_strided_scatter``: torch's gloo scatter ignores the strides of the column blocks
@@ -29,6 +35,8 @@ What is not verl's default, and why (nothing here changes a weight):
 """
 
 from __future__ import annotations
+
+import contextlib
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
                    apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -47,12 +55,14 @@ def cpu_layer_spec(config):
 
 def megatron_engine(hf_path: str, tp: int, ep: int, etp: int, moe: str = "sequential"):
     """An initialized ``MegatronEngineWithLMHead`` for the HF checkpoint ``hf_path`` (bf16), on
-    the ranks of the current ``parallel_state`` (module docstring)."""
+    the ranks of the current ``parallel_state`` (module docstring); ``moe``: ``sequential`` or
+    ``grouped`` (then the experts are not loaded: module docstring)."""
     import verl.workers.engine.megatron.transformer_impl as impl  # noqa: F401 -- Megatron-Core before the TE double
 
     from tests.support import verl_cpu_platform
     from tests.support.megatron import EXPERT_IMPLS
-    from tests.support.megatron_bridge import import_megatron_bridge, module_cuda_stays_on_cpu
+    from tests.support.megatron_bridge import bridge_load_skips_unmapped_params, import_megatron_bridge, \
+        module_cuda_stays_on_cpu
     import_megatron_bridge()
     verl_cpu_platform.install()
     from verl.trainer.config import CheckpointConfig
@@ -67,6 +77,7 @@ def megatron_engine(hf_path: str, tp: int, ep: int, etp: int, moe: str = "sequen
                                          use_cpu_initialization=True, perform_initialization=False, **FUSIONS_OFF))
     engine = impl.MegatronEngineWithLMHead(HFModelConfig(path=hf_path), engine_config,
                                            McoreOptimizerConfig(lr=1e-6), CheckpointConfig())
-    with module_cuda_stays_on_cpu():
+    grouped = EXPERT_IMPLS[moe]
+    with module_cuda_stays_on_cpu(), bridge_load_skips_unmapped_params() if grouped else contextlib.nullcontext():
         engine.initialize()
     return engine

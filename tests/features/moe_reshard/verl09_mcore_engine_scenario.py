@@ -3,7 +3,7 @@ by test_verl09_mcore_engine.py in child processes; never imported by pytest for 
 
 Processes: 4 trainer ranks (one gloo group) each holding verl 0.9.1's ``MegatronEngineWithLMHead``,
 built and initialized by verl from the HF checkpoint ``W`` through Megatron-Bridge 0.3.1
-(Megatron-Core 0.16.1 local layers, SequentialMLP, bf16; tests/support/verl_megatron_engine.py
+(Megatron-Core 0.16.1 local layers, SequentialMLP or legacy GroupedMLP, bf16; tests/support/verl_megatron_engine.py
 says what is configured for CPU and which test shims it needs), and 2 rollout ranks (one EP 2
 replica, vLLM's linear placement: rank 0 hosts experts 0-1, rank 1 experts 2-3) receiving what
 the backend yields, without a vLLM engine. Both sides build the backend through verl's
@@ -11,18 +11,23 @@ the backend yields, without a vLLM engine. Both sides build the backend through 
 (verl09_scenario.py); the trainer hands the engine itself to ``send_weights``, as the feature's
 ``hand_training_engine`` patch does.
 
-Two training layouts, one after the other in the same processes (Megatron's imports and the
+Four training layouts, one after the other in the same processes (Megatron's imports and the
 rollout processes paid once; each layout its own engine, backend and port): ``LAYOUTS`` --
-TP 1 / EP 2 / ETP 2 (experts split over expert-TP while the dense layers are whole) and TP 2 /
-EP 2 / ETP 1 (the dense layers split, row- and column-parallel, with sequence parallelism;
-experts whole). Row-parallel weights at TP or ETP 2 load right only with the harness's
-``gloo_strided_scatter`` shim (tests/support/megatron_shims.py, 8): torch's gloo scatter
-ignores the strides of the column blocks Megatron-Bridge scatters on CPU.
+SequentialMLP at TP 1 / EP 2 / ETP 2 (experts split over expert-TP while the dense layers are
+whole) and TP 2 / EP 2 / ETP 1 (the dense layers split, row- and column-parallel, with sequence
+parallelism; experts whole); legacy GroupedMLP (``weight1`` / ``weight2``) at TP 1 / EP 2 /
+ETP 1 (two expert data-parallel copies of every expert) and TP 1 / EP 2 / ETP 2. Row-parallel
+weights at TP or ETP 2 load right only with the harness's ``gloo_strided_scatter`` shim
+(tests/support/megatron_shims.py, 8): torch's gloo scatter ignores the strides of the column
+blocks Megatron-Bridge scatters on CPU.
 
-``W``: the tiny Qwen3-MoE (4 experts, 4 query heads over 2 KV groups).
-Megatron-Bridge 0.3.1 loads SequentialMLP experts wrongly at EP > 1 (README, upstream failure
-(a')): after ``initialize()`` every trainer rank records what the bridge loaded and puts its
-shard of the right HF experts in (``load_global_experts``); everything else in the model is the
+``W``: the tiny Qwen3-MoE (4 experts, 4 query heads over 2 KV groups). Megatron-Bridge 0.3.1
+does not load the routed experts right: SequentialMLP experts at EP > 1 wrongly (README,
+upstream failure (a')), GroupedMLP's not at all (no mapping for ``weight1`` / ``weight2``: its
+load fails, (b); ``verl_megatron_engine`` skips them with a test shim). After ``initialize()``
+every trainer rank records what the bridge did and puts its shard of the right HF experts in
+(``load_global_experts``, through the CPU harness's own Megatron-layout mapping, which the
+harness tests check against Megatron-Core's forward); everything else in the model is the
 bridge's load. Every tensor a rollout rank receives is compared bit for bit with ``W``'s.
 """
 
@@ -36,10 +41,29 @@ from .verl09_engine_scenario import TrainerSync, send_syncs
 from .verl09_scenario import _engine
 
 TRAINERS, ROLLOUTS = 4, 2
-LAYOUTS = {"tp1-ep2-etp2": dict(tp=1, ep=2, etp=2), "tp2-ep2-etp1": dict(tp=2, ep=2, etp=1)}
 NUM_EXPERTS = 4
 MODEL = dict(moe=True, num_experts=NUM_EXPERTS, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 SYNCS = ("first", "again")
+EXPERT_CLASSES = {"sequential": "SequentialMLP", "grouped": "GroupedMLP"}   # moe= value -> Megatron-Core module
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One training configuration of the engine: expert module and parallel sizes."""
+    moe: str                        # "sequential" or "grouped" (tests/support/megatron.EXPERT_IMPLS)
+    tp: int
+    ep: int
+    etp: int
+
+    @property
+    def sizes(self) -> dict:
+        return dict(tp=self.tp, ep=self.ep, etp=self.etp)
+
+
+LAYOUTS = {"tp1-ep2-etp2": EngineLayout("sequential", tp=1, ep=2, etp=2),
+           "tp2-ep2-etp1": EngineLayout("sequential", tp=2, ep=2, etp=1),
+           "grouped-tp1-ep2-etp1": EngineLayout("grouped", tp=1, ep=2, etp=1),
+           "grouped-tp1-ep2-etp2": EngineLayout("grouped", tp=1, ep=2, etp=2)}
 
 
 @dataclass
@@ -49,9 +73,22 @@ class LayoutRun:
     engine: str                     # the MegatronEngine class verl built
     experts: list                   # expert module classes in the model
     sizes: dict                     # tp / ep / etp as Megatron's parallel_state has them
-    bridge_loaded_experts: list     # [name, global expert, loaded right by the bridge]
+    bridge_loaded_experts: list     # [name, global expert, loaded right by the bridge] (SequentialMLP)
     syncs: dict[str, TrainerSync]
     stock_export: str               # what verl's stock export of the same engine gave
+    grouped: GroupedUpstream | None  # GroupedMLP layouts: what Megatron-Bridge / verl do with weight1/weight2
+
+
+@dataclass
+class GroupedUpstream:
+    """Upstream failure (b) observed on a GroupedMLP engine (README): which expert parameters
+    Megatron-Bridge's mapping registry has no mapping for, what its stock load of the checkpoint
+    into this model (verl's ``load_hf_weights`` call, without the test shim) and verl's shard
+    export (``get_per_tensor_param_shard``, the ``delta_sharded`` backend's input) gave."""
+    expert_params: list             # the model's routed-expert parameter names (global)
+    unmapped: list                  # those the bridge's registry maps to no HF tensor
+    stock_load: str
+    shard_export: str
 
 
 @dataclass
@@ -83,37 +120,64 @@ def prepare() -> str:
     return tiny_qwen3.cached(**MODEL)
 
 
-def load_global_experts(megatron, hf_dir: str) -> list:
-    """Per local expert parameter ``[name, global expert, whether the bridge loaded it right]``;
-    then this rank's shard of the right HF expert is put in (fc1: the ETP rank's gate and up
-    rows, Megatron's ``[gate_r; up_r]``; fc2: its columns of down) -- what a model trained
-    from ``W`` holds."""
+def load_global_experts(megatron, hf_dir: str, moe: str) -> list:
+    """This rank's shard of the right HF experts put into the model's expert parameters --
+    what a model trained from ``W`` holds -- through the CPU harness's mapping
+    (``Harness.local_expert_view``: SequentialMLP fc1 the ETP rank's ``[gate_r; up_r]`` rows,
+    fc2 its columns of down; GroupedMLP ``weight1`` / ``weight2`` the local experts' transposed
+    shards in Megatron-Core's memory layout). Returns, per SequentialMLP parameter, ``[name,
+    global expert, whether the bridge had loaded it right]`` (GroupedMLP: none, the bridge
+    loads nothing into ``weight1`` / ``weight2``)."""
     import torch
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
+    from verl.utils.megatron_utils import unwrap_model
 
-    from tests.support.megatron import _chunk, _glu_chunk
+    from tests.support.megatron import Arch, Harness, Layout
 
     from ascend_rl_plugins.features.moe_reshard.layout import hf_expert_name
     hf = load_file(os.path.join(hf_dir, "model.safetensors"))
-    ep_rank, etp, etp_rank = (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
-                              ps.get_expert_tensor_parallel_rank())
-    local = NUM_EXPERTS // ps.get_expert_model_parallel_world_size()
+    model = unwrap_model(megatron.module[0])
+    cfg = model.config
+    canonical = {}
+    for layer in range(cfg.num_layers):
+        for e in range(cfg.num_moe_experts):
+            p = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}."
+            canonical[p + "linear_fc1.weight"] = torch.cat([hf[hf_expert_name(layer, e, "gate_proj")],
+                                                            hf[hf_expert_name(layer, e, "up_proj")]])
+            canonical[p + "linear_fc2.weight"] = hf[hf_expert_name(layer, e, "down_proj")]
+    arch = Arch(layers=cfg.num_layers, hidden=cfg.hidden_size, experts=cfg.num_moe_experts, moe=moe)
+    want = Harness(model, cfg, arch, Layout()).local_expert_view(canonical)
+    local = cfg.num_moe_experts // ps.get_expert_model_parallel_world_size()
     loaded = []
     with torch.no_grad():
-        for name, p in megatron.module[0].named_parameters():
-            if ".local_experts." not in name:
+        for name, p in model.named_parameters():
+            if name not in want:
                 continue
-            layer = int(name.split("layers.")[1].split(".")[0])
-            e = ep_rank * local + int(name.split("local_experts.")[1].split(".")[0])
-            if "linear_fc1" in name:
-                full = torch.cat([hf[hf_expert_name(layer, e, "gate_proj")], hf[hf_expert_name(layer, e, "up_proj")]])
-                want = _glu_chunk(full, etp, etp_rank)
-            else:
-                want = _chunk(hf[hf_expert_name(layer, e, "down_proj")], etp, etp_rank, 1)
-            loaded.append([name.split("module.", 1)[-1], e, bool(torch.equal(p, want.to(p.dtype)))])
-            p.copy_(want)
+            if ".local_experts." in name:
+                e = ps.get_expert_model_parallel_rank() * local + int(name.split("local_experts.")[1].split(".")[0])
+                loaded.append([name, e, bool(torch.equal(p, want[name].to(p.dtype)))])
+            p.copy_(want[name])
     return loaded
+
+
+def grouped_upstream(megatron, hf_dir: str) -> GroupedUpstream:
+    """Upstream failure (b) on this GroupedMLP engine (see :class:`GroupedUpstream`); run before
+    the experts are put in (the stock load stops at the first unmapped parameter, having loaded
+    the checkpoint's own values before it)."""
+    from verl.utils.megatron_utils import unwrap_model
+    registry = megatron.bridge._model_bridge.mapping_registry()
+    names = [n for n, _ in unwrap_model(megatron.module[0]).named_parameters() if ".mlp.experts." in n]
+
+    def outcome(call) -> str:
+        try:
+            return f"ok: {call()}"
+        except Exception as e:  # noqa: BLE001 -- the outcome is what the test pins
+            return f"{type(e).__name__}: {e}"
+    return GroupedUpstream(
+        names, [n for n in names if registry.megatron_to_hf_lookup(n) is None],
+        outcome(lambda: megatron.bridge.load_hf_weights(megatron.module, hf_dir, allowed_mismatched_params=[]) and ""),
+        outcome(lambda: f"{len(list(megatron.get_per_tensor_param_shard()[0]))} tensors"))
 
 
 def trainer(ports: list, hf_dir: str) -> dict:
@@ -131,13 +195,14 @@ def trainer(ports: list, hf_dir: str) -> dict:
     rank = dist.get_rank()
     runs = {}
     for (name, layout), port in zip(LAYOUTS.items(), ports):
-        with parallel_groups(Layout(**layout)):
-            megatron = megatron_engine(hf_dir, moe="sequential", **layout)
+        with parallel_groups(Layout(**layout.sizes)):
+            megatron = megatron_engine(hf_dir, moe=layout.moe, **layout.sizes)
             experts = sorted({type(m).__name__ for m in megatron.module[0].modules()
                               if type(m).__name__ in ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")})
             sizes = dict(tp=ps.get_tensor_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
                          etp=ps.get_expert_tensor_parallel_world_size())
-            loaded = load_global_experts(megatron, hf_dir)
+            grouped = grouped_upstream(megatron, hf_dir) if layout.moe == "grouped" else None
+            loaded = load_global_experts(megatron, hf_dir, layout.moe)
             engine, side, _ = _engine(port, rank == 0, "linear", trainers=TRAINERS, rollouts=ROLLOUTS)
             engine.init_process_group(**{k: v[rank] for k, v in side.items()})
             syncs = send_syncs(engine, megatron, SYNCS)
@@ -146,7 +211,7 @@ def trainer(ports: list, hf_dir: str) -> dict:
                 stock = f"{len(list(megatron.get_per_tensor_param()[0]))} tensors"
             except Exception as e:  # noqa: BLE001 -- the outcome is what the test pins
                 stock = f"{type(e).__name__}: {e}"
-            runs[name] = LayoutRun(type(megatron).__name__, experts, sizes, loaded, syncs, stock)
+            runs[name] = LayoutRun(type(megatron).__name__, experts, sizes, loaded, syncs, stock, grouped)
             del megatron, engine
     return asdict(MegatronTrainer(rank, runs))
 
