@@ -13,6 +13,13 @@ applied last). Each vLLM worker pairs with its ``CheckpointEngineWorker`` by ver
 weight-sync rank (``_resolve_vllm_weight_sync_local_rank``: its ZMQ weight socket's name), which
 is the ``CheckpointEngineWorker``'s index in the server's ``workers``.
 
+PD-disaggregated replicas (``vllm_pd_replica.py``): the prefill server and each decode server
+get their own slice of the replica's ``CheckpointEngineWorker`` list as ``workers``, and each
+starts its own vLLM engine, whose workers' local ranks start at 0. The pairing above stays local
+to one server on both sides (index in that server's ``workers``, weight-sync rank of that
+server's vLLM worker), so it needs no offset; ``VERL_ZMQ_BASE_TRAINER_RANK``, which verl sets to
+the slice's start for a decode server, only renames that worker's IPC socket.
+
 How the backend reads its vLLM worker's map at every sync (:class:`ServerExpertMaps`): it finds
 the ``vllm_server_*`` actor whose ``workers`` list this actor (once, then kept), and calls that
 server's own ``collective_rpc`` with the method ``verl09_worker.ReshardWorkerExtension`` adds to
@@ -47,8 +54,12 @@ from .planner import PlanError
 
 EXTENSION_LINE = f"+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={EXTENSION}"
 PUBLISH_METHOD = "ascend_rl_publish_expert_map"
-# verl 0.9.1's policy rollout servers (vLLMReplica.launch_servers): f"vllm_server_{replica}_{node}{suffix}"
-SERVER_NAME = re.compile(r"^vllm_server_\d+_\d+(_.*)?$")
+# verl 0.9.1's policy rollout servers: vLLMReplica.launch_servers names one per node
+# f"vllm_server_{replica}_{node}{suffix}"; a PD-disaggregated replica (vllm_pd_replica.py) names
+# its prefill server the same way (node 0) and its decode servers
+# f"vllm_server_decode_{replica}_{i}{suffix}". Reward and teacher servers (vllm_server_reward_*,
+# vllm_server_teacher_*) never receive the policy's weights and are not matched.
+SERVER_NAME = re.compile(r"^vllm_server_(decode_)?\d+_\d+(_.*)?$")
 ANSWER = "expert-map.json"
 
 
