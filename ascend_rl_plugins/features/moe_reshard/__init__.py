@@ -21,6 +21,11 @@ Hooks (README.md beside this file has the details and what each covers):
   the training engine (local expert shards) as verl hands its ``delta_sharded`` backend: experts
   go by the reshard from the trainer ranks straight to the rollout ranks hosting them, dense
   tensors by broadcast from trainer rank 0.
+- verl 0.9.x colocated (``checkpoint_engine.backend: naive``, no checkpoint engine and no
+  extension point): ``hand_training_engine`` marks verl's naive sync, and one more patch,
+  ``MegatronEngine.get_per_tensor_param`` (only inside that mark), yields the dense tensors and
+  exactly the experts the trainer rank's co-located vLLM worker hosts, moved by all-to-all-v over
+  the trainer's own group (``verl09_colocated.py``).
 
 Every fallback is collective (``agreement.py``): a plan that fails validation, a planner
 refusal, an exception while preparing, or plan inputs that differ, on any one rank, make every
@@ -105,7 +110,12 @@ FEATURE = Feature(
                     "with the feature's vLLM worker extension) the rollout rank votes its vLLM worker's live map "
                     "at every sync and receives exactly those experts; verl 0.9.1's "
                     "real ActorRolloutRefWorker.update_weights hands the backend the training engine with "
-                    "the patch. verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
+                    "the patch; verl 0.9.1 colocated ('naive') sync: the real MegatronEngine's "
+                    "get_per_tensor_param called as verl's naive update_weights calls it, inside the worker patch's "
+                    "scope, on 4 gloo ranks (TP1/EP2/ETP2 and TP2/EP2/ETP1; rollout EP2 round_robin in 2 "
+                    "replicas and EP4 linear): each rank yields every dense tensor and exactly the experts of its "
+                    "co-located vLLM worker, once, bit-identical to the checkpoint; one rank refusing -> every "
+                    "rank the stock export (no vLLM engine behind it). verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
                     "Megatron-Core 0.12.1 MoE model "
                     "(CPU harness, TP2xEP2xETP2 on 4 gloo processes; SequentialMLP and GroupedMLP), "
                     "stock vs patched, and with one rank of four refusing (every rank falls back "
@@ -159,7 +169,10 @@ FEATURE.applies_through(
                  f"engine_kwargs.{BACKEND} keys replica_world_size / expert_placement (print all: "
                  "`ascend-rl moe-reshard verl09`); the trainer hands the backend its local expert shards "
                  "(patch moe_reshard.hand_training_engine) and each rollout rank receives exactly its hosted "
-                 "experts (README, verl 0.9)"))
+                 "experts (README, verl 0.9). Colocated rollout (checkpoint_engine.backend=naive): "
+                 "ASCEND_RL_MOE_RESHARD=auto alone; each trainer rank streams its vLLM worker the dense tensors "
+                 "and exactly the experts it hosts (patch moe_reshard.colocated_export; maps from rollout."
+                 "expert_parallel_size and engine_kwargs.vllm.expert_placement_strategy)"))
 
 
 @FEATURE.wrap("verl.workers.engine_workers:ActorRolloutRefWorker.update_weights", dist="verl", versions=VERL09,
