@@ -19,6 +19,10 @@ torch's gloo scatter honour strides, which Megatron-Bridge's row-parallel load n
 skip ``weight1`` / ``weight2`` (it has no mapping for them), Ray (the scenario runs verl's prepare / topology / send + receive / finalize steps); no vLLM
 engine behind the rollout ranks (test_verl09_engine.py covers that hop with the harness's
 model). Also pins three upstream failures of Megatron-Bridge 0.3.1 (+ verl 0.9.1).
+
+The same engines, colocated (verl's ``naive`` sync): each trainer rank's patched export yields
+every dense tensor and exactly its co-located vLLM worker's experts, once; one rank refusing
+makes every rank take the stock export.
 """
 
 from __future__ import annotations

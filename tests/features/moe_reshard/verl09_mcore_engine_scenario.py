@@ -29,6 +29,12 @@ every trainer rank records what the bridge did and puts its shard of the right H
 (``load_global_experts``, through the CPU harness's own Megatron-layout mapping, which the
 harness tests check against Megatron-Core's forward); everything else in the model is the
 bridge's load. Every tensor a rollout rank receives is compared bit for bit with ``W``'s.
+
+Colocated (verl's ``naive`` sync, ``colocated_export``): after a layout's backend syncs, every
+trainer rank calls the same engine's ``get_per_tensor_param`` as verl's naive ``update_weights``
+does, inside the colocated scope the worker patch opens there, with ``moe_reshard.colocated_export``
+applied, for the rollout configuration ``COLOCATED`` gives that layout (twice, then with rank
+``REFUSING_RANK`` alone refusing); no new process or engine.
 """
 
 from __future__ import annotations
