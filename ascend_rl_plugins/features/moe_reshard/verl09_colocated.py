@@ -257,8 +257,8 @@ def patched_export(wrapped, instance, args, kwargs):
     Inside one, the stock export stays reachable only through ``wrapped`` (the fallback, FP8's
     dense export), never through the patched method again."""
     rollout = current()
-    if rollout is None:
-        return wrapped(*args, **kwargs)
+    if rollout is None or not getattr(getattr(instance, "tf_config", None), "num_moe_experts", None):
+        return wrapped(*args, **kwargs)      # not a colocated sync, or a dense model: nothing to reshard
     return export(instance, lambda: wrapped(*args, **kwargs), rollout)
 
 
