@@ -21,6 +21,11 @@ Hooks (README.md beside this file has the details and what each covers):
   the training engine (local expert shards) as verl hands its ``delta_sharded`` backend: experts
   go by the reshard from the trainer ranks straight to the rollout ranks hosting them, dense
   tensors by broadcast from trainer rank 0.
+- verl 0.9.x colocated (``checkpoint_engine.backend: naive``, no checkpoint engine and no
+  extension point): ``hand_training_engine`` marks verl's naive sync, and one more patch,
+  ``MegatronEngine.get_per_tensor_param`` (only inside that mark), yields the dense tensors and
+  exactly the experts the trainer rank's co-located vLLM worker hosts, moved by all-to-all-v over
+  the trainer's own group (``verl09_colocated.py``).
 
 Every fallback is collective (``agreement.py``): a plan that fails validation, a planner
 refusal, an exception while preparing, or plan inputs that differ, on any one rank, make every
@@ -105,7 +110,12 @@ FEATURE = Feature(
                     "with the feature's vLLM worker extension) the rollout rank votes its vLLM worker's live map "
                     "at every sync and receives exactly those experts; verl 0.9.1's "
                     "real ActorRolloutRefWorker.update_weights hands the backend the training engine with "
-                    "the patch. verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
+                    "the patch; verl 0.9.1 colocated ('naive') sync: the real MegatronEngine's "
+                    "get_per_tensor_param called as verl's naive update_weights calls it, inside the worker patch's "
+                    "scope, on 4 gloo ranks (SequentialMLP TP1/EP2/ETP2 and TP2/EP2/ETP1, GroupedMLP EP2 with ETP1 "
+                    "and ETP2; rollouts EP2 round_robin in 2 replicas, EP4 linear and round_robin, no EP): each rank yields every dense tensor and exactly the experts of its "
+                    "co-located vLLM worker, once, bit-identical to the checkpoint; one rank refusing -> every "
+                    "rank the stock export (no vLLM engine behind it). verl 0.6.1 (recipe stack): real per_tensor_generator on a real "
                     "Megatron-Core 0.12.1 MoE model "
                     "(CPU harness, TP2xEP2xETP2 on 4 gloo processes; SequentialMLP and GroupedMLP), "
                     "stock vs patched, and with one rank of four refusing (every rank falls back "
@@ -159,7 +169,10 @@ FEATURE.applies_through(
                  f"engine_kwargs.{BACKEND} keys replica_world_size / expert_placement (print all: "
                  "`ascend-rl moe-reshard verl09`); the trainer hands the backend its local expert shards "
                  "(patch moe_reshard.hand_training_engine) and each rollout rank receives exactly its hosted "
-                 "experts (README, verl 0.9)"))
+                 "experts (README, verl 0.9). Colocated rollout (checkpoint_engine.backend=naive): "
+                 "ASCEND_RL_MOE_RESHARD=auto alone; each trainer rank streams its vLLM worker the dense tensors "
+                 "and exactly the experts it hosts (patch moe_reshard.colocated_export; maps from rollout."
+                 "expert_parallel_size and engine_kwargs.vllm.expert_placement_strategy)"))
 
 
 @FEATURE.wrap("verl.workers.engine_workers:ActorRolloutRefWorker.update_weights", dist="verl", versions=VERL09,
@@ -169,25 +182,54 @@ FEATURE.applies_through(
                      "already gathered over EP on every trainer rank); only its own 'delta_sharded' backend "
                      "receives the training engine and with it the local shards. The reshard backend needs "
                      "those: this hands the engine to a backend whose class sets takes_training_engine, "
-                     "exactly as verl does for delta_sharded, and leaves every other backend and the colocated "
-                     "'naive' path untouched",
+                     "exactly as verl does for delta_sharded, and leaves every other backend untouched. In the "
+                     "colocated 'naive' branch (no checkpoint engine, no extension point) it only marks the "
+                     "call as a colocated sync feeding this rank's vLLM worker (verl09_colocated.scope), for "
+                     "moe_reshard.colocated_export; verl's own code runs unchanged",
               remove_when="verl hands a registered checkpoint engine the training engine (or the local "
-                          "shards) itself, not only 'delta_sharded'")
+                          "shards) itself, not only 'delta_sharded', and its colocated sync sends each vLLM "
+                          "worker only the experts it hosts")
 def _hand_training_engine(wrapped, instance, args, kwargs):
-    def call(worker, global_steps=None, mode="auto"):
-        engine = getattr(worker, "checkpoint_engine", None)
-        effective = mode if mode != "auto" else worker.config.rollout.checkpoint_engine.backend
-        if effective == "naive" or not getattr(type(engine), "takes_training_engine", False):
-            return None
-        return engine.send_weights(worker.actor.engine, global_steps=global_steps)
+    def bind(worker, global_steps=None, mode="auto"):
+        return worker, global_steps, mode
     # bound (a worker's method) or called on the class with the worker first
-    sending = call(instance, *args, **kwargs) if instance is not None else call(*args, **kwargs)
-    if sending is None:
+    worker, global_steps, mode = bind(instance, *args, **kwargs) if instance is not None else bind(*args, **kwargs)
+    effective = mode if mode != "auto" else worker.config.rollout.checkpoint_engine.backend
+    if effective == "naive":
+        from . import agreement
+        from .verl09_colocated import ColocatedRollout, scope
+        rollout, why = agreement.attempt("colocated rollout", ColocatedRollout.from_worker, worker)
+        rollout = rollout if rollout is not None else ColocatedRollout(reason=why)   # a vote against, not a raise
+
+        async def colocated():
+            with scope(rollout):
+                return await wrapped(*args, **kwargs)
+        return colocated()
+    engine = getattr(worker, "checkpoint_engine", None)
+    if not getattr(type(engine), "takes_training_engine", False):
         return wrapped(*args, **kwargs)
+    sending = engine.send_weights(worker.actor.engine, global_steps=global_steps)
 
     async def handed():
         return (await sending) or {}
     return handed()
+
+
+@FEATURE.wrap("verl.workers.engine.megatron.transformer_impl:MegatronEngine.get_per_tensor_param", dist="verl",
+              versions=VERL09, order=50, enabled_by=reshard_requested, name="moe_reshard.colocated_export",
+              params=("self", "base_sync_done"),
+              reason="verl 0.9.1's colocated ('naive') sync streams get_per_tensor_param -- Megatron-Bridge's "
+                     "export_hf_weights, every expert gathered over EP on every trainer rank (and failing for "
+                     "SequentialMLP at EP > 1) -- into each rank's co-located vLLM worker, which keeps only its "
+                     "hosted experts; the checkpoint-engine registry is not consulted for 'naive', so there is "
+                     "no extension point. Inside a colocated sync marked by moe_reshard.hand_training_engine "
+                     "(and only there: the checkpoint-engine backends and delta_sharded call it outside one) the "
+                     "export yields the dense tensors from the bridge and exactly the experts the co-located "
+                     "vLLM worker hosts, moved by all-to-all-v over the trainer's group",
+              remove_when=REMOVE_WHEN)
+def _colocated_export(wrapped, instance, args, kwargs):
+    from .verl09_colocated import patched_export
+    return patched_export(wrapped, instance, args, kwargs)
 
 
 @FEATURE.wrap("verl.utils.megatron_utils:per_tensor_generator", dist="verl", versions=VERL06, order=50,

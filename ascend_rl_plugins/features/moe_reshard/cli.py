@@ -125,4 +125,7 @@ def cmd_verl09(args: argparse.Namespace) -> int:
           "moe_reshard.hand_training_engine)")
     for line in verl09_config_lines():
         print(line)
+    print("# colocated rollout (checkpoint_engine.backend=naive): ASCEND_RL_MOE_RESHARD=auto is all it needs "
+          "(patch moe_reshard.colocated_export; expert maps from rollout.expert_parallel_size and "
+          "rollout.engine_kwargs.vllm.expert_placement_strategy)")
     return 0

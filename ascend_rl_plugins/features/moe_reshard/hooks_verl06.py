@@ -249,7 +249,9 @@ def _agree(setup: Setup) -> Setup:
     return setup
 
 
-def _fallback(reason: str) -> None:
+def fall_back_to_stock(reason: str) -> None:
+    """Every rank has agreed the reshard cannot run (``reason``): an error under
+    ``ASCEND_RL_MOE_RESHARD=on``, else one WARNING and the caller's stock path."""
     from . import MODE
     if MODE.value == "on":
         raise RuntimeError(f"ASCEND_RL_MOE_RESHARD=on but the expert reshard cannot run: {reason}")
@@ -283,7 +285,7 @@ def _generate(wrapped, a: dict) -> Iterator[tuple[str, Any]]:
                                             bucket_bytes=bucket_bytes()))
         setup.reason = agreement.decide(agreement.Vote(why, prepared.key if prepared else "")).reason
     if setup.reason:
-        _fallback(setup.reason)
+        fall_back_to_stock(setup.reason)
         yield from wrapped(**a)
         return
     model, layers = LIVE.model, None

@@ -246,6 +246,16 @@ def _linear_map(ep: int, rank: int, num_experts: int) -> tuple[int, ...]:
     return tuple(range(start, start + base + (1 if rank < rem else 0)))
 
 
+def placement_map(placement: str, ep: int, rank: int, num_experts: int) -> tuple[int, ...]:
+    """The experts rank ``rank`` of an expert-parallel group of ``ep`` vLLM workers hosts under
+    vLLM's ``expert_placement_strategy`` (``linear`` or ``round_robin``), in local-slot order."""
+    if placement == "linear":
+        return _linear_map(ep, rank, num_experts)
+    if placement == "round_robin":
+        return tuple(range(rank, num_experts, ep))
+    raise ValueError(f"expert_placement_strategy must be 'linear' or 'round_robin', got {placement!r}")
+
+
 @dataclass(frozen=True)
 class RolloutLayout:
     """vLLM layout; rollout rank = dp_rank * tp + tp_rank.
@@ -285,7 +295,7 @@ class RolloutLayout:
     def round_robin(cls, tp: int, dp: int, num_experts: int) -> "RolloutLayout":
         """vLLM's ``round_robin`` placement: rank r hosts experts r, r+ep, r+2ep, ..."""
         ep = tp * dp
-        return cls(tp, dp, True, tuple(tuple(range(r, num_experts, ep)) for r in range(ep)))
+        return cls(tp, dp, True, tuple(placement_map("round_robin", ep, r, num_experts) for r in range(ep)))
 
     @classmethod
     def from_expert_maps(cls, tp: int, dp: int, maps: Iterable[Iterable[int]]) -> "RolloutLayout":

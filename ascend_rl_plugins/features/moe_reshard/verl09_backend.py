@@ -67,7 +67,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from . import BACKEND, agreement
-from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_name
+from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_name, placement_map
 from .planner import PlanError
 
 PLACEMENTS = ("linear", "round_robin")
@@ -143,8 +143,7 @@ class Options:
         """The experts rollout rank ``rollout_rank`` (of the whole group's rollout ranks) hosts:
         its rank within its replica under vLLM's placement rule."""
         ep = self.replica_world_size
-        make = RolloutLayout.linear if self.expert_placement == "linear" else RolloutLayout.round_robin
-        return make(ep, 1, num_experts).expert_maps[rollout_rank % ep]
+        return placement_map(self.expert_placement, ep, rollout_rank % ep, num_experts)
 
 
 # -- the group ---------------------------------------------------------------------------------
@@ -265,7 +264,8 @@ def is_routed_expert_param(megatron_name: str) -> bool:
     return ".mlp.experts." in megatron_name
 
 
-def bridge_dense_export(engine) -> Callable[[], Iterator[tuple[str, Any]]] | None:
+def bridge_dense_export(engine, full_export: Callable[[], Iterator[tuple[str, Any]]] | None = None
+                        ) -> Callable[[], Iterator[tuple[str, Any]]] | None:
     """The dense tensors of a Megatron-Bridge ``MegatronEngine``, exported by the bridge itself
     (``export_hf_weights`` with the engine's own conversion tasks less the routed experts'),
     or None where the engine does not export through Megatron-Bridge's tasks (the legacy
@@ -275,7 +275,9 @@ def bridge_dense_export(engine) -> Callable[[], Iterator[tuple[str, Any]]] | Non
     while exporting, which the reshard exists to avoid, and Megatron-Bridge 0.3.1's gather
     fails for ``SequentialMLP`` at EP > 1 (it parses TEGroupedMLP's ``weight<N>`` names: README,
     "Megatron-Bridge on CPU"); the bridge's tasks for ``GroupedMLP``'s ``weight1`` / ``weight2``
-    are None (no mapping) and are skipped like the expert tasks."""
+    are None (no mapping) and are skipped like the expert tasks. ``full_export``: the engine's
+    full export for the FP8 case (default ``engine.get_per_tensor_param()``; the colocated path
+    passes the unpatched one)."""
     bridge = getattr(engine, "bridge", None)
     if (bridge is None or not hasattr(bridge, "export_hf_weights") or not hasattr(engine, "_mbridge_export_tasks")
             or getattr(engine, "vanilla_bridge", False) or getattr(engine, "peft_cls", None) is not None
@@ -286,7 +288,7 @@ def bridge_dense_export(engine) -> Callable[[], Iterator[tuple[str, Any]]] | Non
         from verl.utils.megatron_utils import load_megatron_model_to_gpu
         tasks = engine._mbridge_export_tasks()
         if tasks is None:                     # FP8 export: the bridge plans its own tasks
-            return dense_only(engine.get_per_tensor_param()[0])
+            return dense_only(full_export() if full_export is not None else engine.get_per_tensor_param()[0])
         load_megatron_model_to_gpu(engine.module, load_grad=False)   # as get_per_tensor_param does
         kept = [t for t in tasks if t is not None and not is_routed_expert_param(t.global_param_name)]
         return bridge.export_hf_weights(engine.module, conversion_tasks=kept)
@@ -363,14 +365,21 @@ class Agreed:
 
 
 def agreed_layouts(votes: list, trainer_world: int) -> Agreed:
-    """Shape and layouts from every rank's vote payload (raises PlanError if the trainer ranks
-    disagree). Every rank runs this on the same gathered data, so every rank gets the same."""
-    trainers, rollouts = votes[:trainer_world], votes[trainer_world:]
+    """Shape and layouts from every rank of a checkpoint engine's group: the trainer ranks'
+    votes, then the rollout ranks' (:func:`agreed_inputs` with the rollout after the trainers)."""
+    return agreed_inputs(votes[:trainer_world], [r.expert_map for r in votes[trainer_world:]], trainer_world)
+
+
+def agreed_inputs(trainers: list, maps: list, first_rank: int) -> Agreed:
+    """Shape and layouts from the trainer ranks' :class:`TrainerVote` and the rollout ranks'
+    expert maps, the rollout ranks starting at group rank ``first_rank`` (the trainer world in a
+    checkpoint engine's group; 0 when colocated: rollout rank r is trainer rank r). Raises
+    PlanError if the trainer ranks disagree. Every rank runs this on the same gathered data, so
+    every rank gets the same."""
     first = trainers[0]
     if any(t != first for t in trainers):
         raise PlanError("trainer ranks disagree on the expert geometry or training layout")
-    maps = [r.expert_map for r in rollouts]
-    rollout = dataclasses.replace(RolloutLayout.from_expert_maps(1, len(maps), maps), first_rank=trainer_world)
+    rollout = dataclasses.replace(RolloutLayout.from_expert_maps(1, len(maps), maps), first_rank=first_rank)
     rollout.check(first.shape)
     return Agreed(first.shape, first.training, rollout, first.dtype)
 

@@ -69,7 +69,7 @@ def fallback(reason: str) -> str:
 
     logging.getLogger("ascend_rl_plugins").addHandler(Keep())
     try:
-        hooks_verl06._fallback(reason)
+        hooks_verl06.fall_back_to_stock(reason)
     except RuntimeError as exc:
         return f"raised: {exc}"
     return f"logged: {' | '.join(seen)}"

@@ -125,7 +125,7 @@ def test_verl_09_exports_through_megatron_bridge_and_the_feature_applies_through
     by_range = {}
     for p in feature.FEATURE.patches:
         by_range.setdefault(p.versions_text, []).append(p.name)
-    assert by_range[feature.VERL09] == ["moe_reshard.hand_training_engine"]
+    assert by_range[feature.VERL09] == ["moe_reshard.hand_training_engine", "moe_reshard.colocated_export"]
     assert len(by_range[feature.VERL06]) == 3
 
 
@@ -167,6 +167,33 @@ def test_verl_09_hands_only_delta_sharded_the_training_engine_and_builds_engines
     # trainer workers' metadata first, then the rollout workers' (build_topology's metadata[0])
     assert "actor_wg.execute_checkpoint_engine(['prepare'] * actor_wg.world_size) + " \
            "rollout.execute_checkpoint_engine(['prepare'] * rollout.world_size)" in manager
+
+
+def test_verl_09_colocated_sync_streams_the_engines_export_from_trainer_rank_r_to_rollout_rank_r_mod_w():
+    """What the colocated path (verl09_colocated.py) relies on, read in verl 0.9.1's source: the
+    naive branch of ``ActorRolloutRefWorker.update_weights`` (no checkpoint engine) streams
+    ``actor.engine.get_per_tensor_param(layered_summon=..., base_sync_done=True)`` into
+    ``self.rollout.update_weights`` -- the one call inside the worker patch's scope -- while the
+    other branch calls the export with no arguments, outside it; in hybrid mode replica k holds
+    trainer workers ``[k*W, (k+1)*W)`` and the ``ServerAdapter`` of trainer rank ``RANK`` is
+    rollout rank ``RANK % W`` of replica ``RANK // W``, sending to the node-local socket of that
+    vLLM worker. If this changes upstream, this test fails: revisit the colocated mapping."""
+    from tests.support.stacks import source
+    workers = source("current", "verl", "verl", "workers", "engine_workers.py")
+    update = ast_text(_method(workers, "ActorRolloutRefWorker", "update_weights"))
+    assert "if effective_mode != 'naive':" in update
+    assert ("per_tensor_param, peft_config = self.actor.engine.get_per_tensor_param(layered_summon=self.layered_"
+            "summon, base_sync_done=True)") in update
+    assert "await self.rollout.update_weights(per_tensor_param, peft_config=peft_config" in update
+    rollout = source("current", "verl", "verl", "workers", "rollout", "vllm_rollout", "vllm_rollout.py")
+    adapter = ast_text(_method(rollout, "ServerAdapter", "__init__"))
+    assert "self.replica_rank = rank // rollout_world_size" in adapter
+    assert "self.rollout_rank = rank % rollout_world_size" in adapter
+    assert "local_rank = self.rollout_rank % local_world_size" in adapter
+    assert "-replica-{self.replica_rank}-rank-{local_rank}.sock" in adapter
+    replica = source("current", "verl", "verl", "workers", "rollout", "replica.py")
+    hybrid = ast_text(_method(replica, "RolloutReplica", "init_hybrid"))
+    assert "worker_group.workers[self.world_size * self.replica_rank:self.world_size * (self.replica_rank + 1)]" in hybrid
 
 
 def ast_text(node) -> str:

@@ -174,6 +174,21 @@ def test_the_patch_hands_the_training_engine_to_a_backend_that_takes_it_and_noth
     assert h["reverted"] == "export"
 
 
+def test_in_verls_naive_sync_the_patch_marks_the_engines_export_as_colocated_feeding_its_vllm_worker(checks):
+    """verl's real ActorRolloutRefWorker.update_weights(mode='naive') on a minimal colocated worker
+    (rollout rank 1 of a TP 2 / EP 2 round-robin replica): stock calls the engine's export with no
+    colocated scope; with the patch the export runs inside one naming that vLLM worker (which
+    moe_reshard.colocated_export reads), verl's own naive code unchanged around it (same export
+    arguments, the export loaded into the rollout), and no scope outlives the call."""
+    n = checks["naive"]
+    assert n["stock"]["scope"] is None
+    assert n["patched"]["scope"] == dict(rollout_rank=1, tp=2, dp=1, expert_parallel=True, placement="round_robin",
+                                         reason="")
+    assert n["stock"]["kwargs"] == n["patched"]["kwargs"] == [["base_sync_done", True], ["layered_summon", False]]
+    assert n["stock"]["loaded"] == n["patched"]["loaded"] == ["model.embed_tokens.weight"]
+    assert n["after"] is None
+
+
 def test_a_rollout_rank_votes_the_live_engines_map_when_a_reader_is_attached(checks):
     """Without a reader the configured rule (round-robin, replicas of 4: rank 1 hosts 1 and 5);
     with one, what the engine says, in its slot order; a map that is not distinct ids in range

@@ -19,6 +19,10 @@ torch's gloo scatter honour strides, which Megatron-Bridge's row-parallel load n
 skip ``weight1`` / ``weight2`` (it has no mapping for them), Ray (the scenario runs verl's prepare / topology / send + receive / finalize steps); no vLLM
 engine behind the rollout ranks (test_verl09_engine.py covers that hop with the harness's
 model). Also pins three upstream failures of Megatron-Bridge 0.3.1 (+ verl 0.9.1).
+
+The same engines, colocated (verl's ``naive`` sync): each trainer rank's patched export yields
+every dense tensor and exactly its co-located vLLM worker's experts, once; one rank refusing
+makes every rank take the stock export.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import pytest
 from tests.support.child import free_port, run_group, run_scenario
 from tests.support.stacks import require_installed
 
-from .verl09_mcore_engine_scenario import EXPERT_CLASSES, LAYOUTS, NUM_EXPERTS, ROLLOUTS, SYNCS, TRAINERS, \
-    MegatronTrainer, RolloutReceipt
+from .verl09_mcore_engine_scenario import (EXPERT_CLASSES, LAYOUTS, NUM_EXPERTS, REFUSING_RANK, ROLLOUTS, SYNCS,
+                                           TRAINERS, MegatronTrainer, RolloutReceipt)
 
 SCENARIO = "tests.features.moe_reshard.verl09_mcore_engine_scenario"
 ENV = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ASCEND_RL_AUTOLOAD="0", ASCEND_RL_MOE_RESHARD="auto",
@@ -39,6 +43,12 @@ ENV = dict(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", ASCEND_RL_AUTOLOAD="0",
 LAYERS, PROJS = 2, 3
 SEQUENTIAL = [name for name, layout in LAYOUTS.items() if layout.moe == "sequential"]
 GROUPED = [name for name, layout in LAYOUTS.items() if layout.moe == "grouped"]
+# colocated: the experts trainer rank r's vLLM worker hosts under the scenario's rollout configs (vLLM's
+# rules written out: tp 2 x ep 2 round-robin -> even ranks 0, 2 and odd ranks 1, 3; ep 4 -> rank r: r; no EP: all)
+COLOCATED_HOSTED = {"tp1-ep2-etp2": {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]},
+                    "tp2-ep2-etp1": {r: [r] for r in range(TRAINERS)},
+                    "grouped-tp1-ep2-etp1": {r: list(range(NUM_EXPERTS)) for r in range(TRAINERS)},
+                    "grouped-tp1-ep2-etp2": {r: [r] for r in range(TRAINERS)}}
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +120,49 @@ def test_every_rank_agrees_on_each_layouts_plan_and_the_second_sync_takes_it_fro
         assert all(t.layouts[layout].syncs["again"].plan_cached for t in trainers), layout
         assert all(r.layouts[layout]["again"].plan_cached for r in rollouts), layout
     assert len(first_keys) == len(LAYOUTS), first_keys          # the plan depends on the training layout
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_colocated_each_trainer_rank_yields_every_dense_tensor_and_exactly_its_vllm_workers_experts_once(synced,
+                                                                                                    layout):
+    """verl 0.9.1's colocated ('naive') sync: ``get_per_tensor_param`` as verl's naive
+    ``update_weights`` calls it, inside the worker patch's scope, on every trainer rank at once:
+    each rank's stream holds every dense tensor and exactly the experts its co-located vLLM worker
+    hosts (trainer rank r -> rollout rank r % W), each projection once, all bit-identical to the
+    checkpoint; the second sync takes the plan from the cache, every rank on the same key."""
+    trainers, rollouts = synced
+    dense = sorted(n for n in rollouts[0].checkpoint if ".mlp.experts." not in n)
+    for sync in ("colocated", "colocated_again"):
+        keys = set()
+        for t in trainers:
+            c = t.layouts[layout].colocated[sync]
+            assert c.resharded and c.reason == "" and c.outcome == "ok", (t.rank, sync, c.reason, c.outcome)
+            hosted = COLOCATED_HOSTED[layout][t.rank]
+            assert c.expert_map == hosted, (t.rank, c.expert_map)
+            want = sorted([layer, e, p] for layer in range(LAYERS) for e in hosted
+                          for p in ("gate_proj", "up_proj", "down_proj"))
+            assert sorted(c.experts) == want, (t.rank, sync, c.experts)          # exactly these, each once
+            assert len(c.received) == len(set(c.received))
+            assert sorted(n for n in c.received if ".mlp.experts." not in n) == dense
+            assert c.different == [], (t.rank, sync, c.different)
+            assert c.plan_cached == (sync == "colocated_again") and c.warnings == []
+            keys.add(c.plan_key)
+        assert len(keys) == 1 and keys != {""}, (layout, sync, keys)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_colocated_one_rank_refusing_makes_every_rank_take_the_stock_export_with_one_warning(synced, layout):
+    """Rank 2 alone refuses (its rollout config turns on vLLM EPLB): every rank returns verl's
+    stock export -- which, for this SequentialMLP engine at EP 2, fails as upstream failure (a),
+    on every rank -- none yields a resharded expert, and each logs one WARNING naming rank 2."""
+    trainers, _ = synced
+    for t in trainers:
+        c = t.layouts[layout].colocated["one_refuses"]
+        assert not c.resharded and c.reason.startswith(f"rank {REFUSING_RANK}: setup: rollout.engine_kwargs.vllm."
+                                                       "enable_eplb"), (t.rank, c.reason)
+        assert c.outcome == t.layouts[layout].stock_export, (t.rank, c.outcome)   # the stock export, as pinned
+        assert c.experts == [] and c.plan_key == ""
+        assert c.warnings == [f"ascend-rl moe_reshard: falling back to stock weight sync: {c.reason}"], c.warnings
 
 
 def test_upstream_bridge_still_loads_sequential_experts_of_ep_rank_1_from_ep_rank_0(synced):

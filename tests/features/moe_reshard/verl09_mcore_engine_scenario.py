@@ -29,12 +29,18 @@ every trainer rank records what the bridge did and puts its shard of the right H
 (``load_global_experts``, through the CPU harness's own Megatron-layout mapping, which the
 harness tests check against Megatron-Core's forward); everything else in the model is the
 bridge's load. Every tensor a rollout rank receives is compared bit for bit with ``W``'s.
+
+Colocated (verl's ``naive`` sync, ``colocated_export``): after a layout's backend syncs, every
+trainer rank calls the same engine's ``get_per_tensor_param`` as verl's naive ``update_weights``
+does, inside the colocated scope the worker patch opens there, with ``moe_reshard.colocated_export``
+applied, for the rollout configuration ``COLOCATED`` gives that layout (twice, then with rank
+``REFUSING_RANK`` alone refusing); no new process or engine.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-
 from dataclasses import asdict, dataclass
 
 from .verl09_engine_scenario import TrainerSync, send_syncs
@@ -64,6 +70,32 @@ LAYOUTS = {"tp1-ep2-etp2": EngineLayout("sequential", tp=1, ep=2, etp=2),
            "tp2-ep2-etp1": EngineLayout("sequential", tp=2, ep=2, etp=1),
            "grouped-tp1-ep2-etp1": EngineLayout("grouped", tp=1, ep=2, etp=1),
            "grouped-tp1-ep2-etp2": EngineLayout("grouped", tp=1, ep=2, etp=2)}
+# colocated (verl's 'naive' sync, trainer rank r feeding rollout rank r % W of replica r // W): per
+# training layout, the rollout replica's configuration (verl's actor_rollout_ref.rollout keys)
+COLOCATED = {"tp1-ep2-etp2": dict(tensor_model_parallel_size=2, expert_parallel_size=2,
+                                  engine_kwargs={"vllm": {"expert_placement_strategy": "round_robin"}}),
+             "tp2-ep2-etp1": dict(tensor_model_parallel_size=4, expert_parallel_size=4),
+             "grouped-tp1-ep2-etp1": dict(tensor_model_parallel_size=1),        # no EP: every rank hosts every expert
+             "grouped-tp1-ep2-etp2": dict(tensor_model_parallel_size=2, data_parallel_size=2, expert_parallel_size=4,
+                                          engine_kwargs={"vllm": {"expert_placement_strategy": "round_robin"}})}
+COLOCATED_SYNCS = ("colocated", "colocated_again", "one_refuses")
+REFUSING_RANK = 2       # in "one_refuses": its rollout config turns on vLLM EPLB, which the colocated reshard refuses
+
+
+@dataclass
+class ColocatedExport:
+    """One colocated export on one trainer rank, as verl's naive path calls it (inside the scope
+    the worker patch opens): what the patch decided and what the stream yielded."""
+    resharded: bool
+    reason: str
+    plan_key: str
+    plan_cached: bool
+    expert_map: list                # what this rank's co-located vLLM worker hosts
+    received: list                  # tensor names, in yield order
+    different: list                 # yielded tensors not bit-identical to the checkpoint's
+    experts: list                   # [layer, expert, projection] yielded, in order
+    outcome: str                    # "ok", or the exception consuming the stream raised
+    warnings: list                  # WARNING lines the plugin logged during the export
 
 
 @dataclass
@@ -77,6 +109,7 @@ class LayoutRun:
     syncs: dict[str, TrainerSync]
     stock_export: str               # what verl's stock export of the same engine gave
     grouped: GroupedUpstream | None  # GroupedMLP layouts: what Megatron-Bridge / verl do with weight1/weight2
+    colocated: dict[str, ColocatedExport]   # by COLOCATED_SYNCS
 
 
 @dataclass
@@ -207,13 +240,71 @@ def trainer(ports: list, hf_dir: str) -> dict:
             engine.init_process_group(**{k: v[rank] for k, v in side.items()})
             syncs = send_syncs(engine, megatron, SYNCS)
             engine.finalize()
+            colocated = {sync: colocated_export(megatron, hf_dir, name, sync) for sync in COLOCATED_SYNCS}
             try:   # verl's stock export of the same engine (upstream failure (a) in the README)
                 stock = f"{len(list(megatron.get_per_tensor_param()[0]))} tensors"
             except Exception as e:  # noqa: BLE001 -- the outcome is what the test pins
                 stock = f"{type(e).__name__}: {e}"
-            runs[name] = LayoutRun(type(megatron).__name__, experts, sizes, loaded, syncs, stock, grouped)
+            runs[name] = LayoutRun(type(megatron).__name__, experts, sizes, loaded, syncs, stock, grouped, colocated)
             del megatron, engine
     return asdict(MegatronTrainer(rank, runs))
+
+
+def colocated_export(megatron, hf_dir: str, layout: str, sync: str) -> dict:
+    """``megatron.get_per_tensor_param`` called as verl 0.9.1's naive ``update_weights`` calls it,
+    inside the scope the feature's worker patch opens there, with the ``moe_reshard.colocated_export``
+    patch applied; the stream consumed whole (as verl's adapter does) and checked against ``W``."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from ascend_rl_plugins.features import moe_reshard
+    from ascend_rl_plugins.features.moe_reshard import verl09_colocated
+    from ascend_rl_plugins.features.moe_reshard.layout import parse_hf_expert_name
+    from ascend_rl_plugins.patching import REGISTRY, fallback
+    fallback.forget()           # each export's WARNING is recorded, not only the process's first
+    patch = next(p for p in moe_reshard.FEATURE.patches if p.name == "moe_reshard.colocated_export")
+    if patch.outcome.state != "applied":
+        REGISTRY.apply(patch)
+    rank = dist.get_rank()
+    config = {"name": "vllm", "data_parallel_size": 1, "pipeline_model_parallel_size": 1, **COLOCATED[layout]}
+    if sync == "one_refuses" and rank == REFUSING_RANK:
+        config["engine_kwargs"] = {"vllm": dict(config.get("engine_kwargs", {}).get("vllm", {}), enable_eplb=True)}
+    width = config["tensor_model_parallel_size"] * config["data_parallel_size"]
+    rollout = verl09_colocated.ColocatedRollout.from_config(OmegaConf.create(config), rank % width)
+    want = load_file(os.path.join(hf_dir, "model.safetensors"))
+    verl09_colocated.LAST.reset()
+    names, different, experts, outcome = [], [], [], "ok"
+    warnings = _Recorder()
+    logging.getLogger("ascend_rl_plugins").addHandler(warnings)
+    with verl09_colocated.scope(rollout):
+        try:
+            weights, _peft = megatron.get_per_tensor_param(layered_summon=False, base_sync_done=True)
+            for name, tensor in weights:
+                names.append(name)
+                parsed = parse_hf_expert_name(name)
+                if parsed is not None:
+                    experts.append(list(parsed))
+                if name not in want or not (tensor.dtype == want[name].dtype and torch.equal(tensor, want[name])):
+                    different.append(name)
+        except Exception as e:  # noqa: BLE001 -- the outcome is what the test checks
+            outcome = f"{type(e).__name__}: {e}"
+    logging.getLogger("ascend_rl_plugins").removeHandler(warnings)
+    r = verl09_colocated.LAST.sync
+    return asdict(ColocatedExport(r.resharded, r.reason, r.plan_key, r.plan_cached, list(r.expert_map), names,
+                                  different, experts, outcome, warnings.lines))
+
+
+class _Recorder(logging.Handler):
+    """Keeps the WARNING lines logged while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def rollout(ports: list, rank: int, hf_dir: str) -> dict:

@@ -330,7 +330,9 @@ def registry_and_handoff() -> dict:
             bad[key] = "accepted"
         except Exception as exc:  # noqa: BLE001 -- the test reads the message
             bad[key] = f"{type(exc).__name__}: {exc}"
-    return {"registry": registry, "bad_kwargs": bad, "live_map": _live_map(engine), "handoff": _handoff()}
+    out = {"registry": registry, "bad_kwargs": bad, "live_map": _live_map(engine), "handoff": _handoff()}
+    out["naive"] = _naive_scope()
+    return out
 
 
 def _live_map(engine) -> dict:
@@ -423,4 +425,75 @@ def _handoff() -> dict:
     again = _backend(True)
     asyncio.run(workers.ActorRolloutRefWorker.update_weights(_worker(again)))
     out["reverted"] = again.got
+    return out
+
+
+class _NaiveEngine:
+    """The training engine of a colocated worker: records the colocated scope (if any) in force
+    when verl's naive path asks it for its export, and the arguments it was asked with."""
+    is_param_offload_enabled = False
+
+    def __init__(self):
+        self.seen, self.kwargs = "not called", None
+
+    def get_per_tensor_param(self, **kwargs):
+        from dataclasses import asdict
+
+        from ascend_rl_plugins.features.moe_reshard.verl09_colocated import current
+        scope = current()
+        self.seen, self.kwargs = (None if scope is None else asdict(scope)), sorted(kwargs.items())
+        return iter([("model.embed_tokens.weight", None)]), None
+
+
+class _NaiveRollout:
+    """What verl 0.9.1's naive update_weights calls on the worker's rollout (a ServerAdapter's
+    ``rollout_rank``, ``resume``, ``update_weights``)."""
+    rollout_rank = 1
+
+    def __init__(self):
+        self.got = None
+
+    async def resume(self, tags):
+        pass
+
+    async def update_weights(self, weights, **kwargs):
+        self.got = [name for name, _ in weights]
+
+
+def _naive_worker():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    rollout = {"name": "vllm", "free_cache_engine": False, "checkpoint_engine": {"backend": "naive"},
+               "tensor_model_parallel_size": 2, "data_parallel_size": 1, "pipeline_model_parallel_size": 1,
+               "expert_parallel_size": 2, "engine_kwargs": {"vllm": {"expert_placement_strategy": "round_robin"}}}
+    return SimpleNamespace(config=OmegaConf.create({"rollout": rollout}), actor=SimpleNamespace(engine=_NaiveEngine()),
+                           rollout=_NaiveRollout(), layered_summon=False, peft_merge=False, base_sync_done=False,
+                           checkpoint_engine=None)
+
+
+def _naive_scope() -> dict:
+    """verl 0.9.1's real ``ActorRolloutRefWorker.update_weights(mode="naive")`` on a minimal
+    colocated worker (verl's CPU platform double): what scope its engine's export ran in, stock
+    and with the ``hand_training_engine`` patch, and whether any scope outlives the call."""
+    import verl.workers.engine_workers as workers
+
+    from ascend_rl_plugins.features import moe_reshard
+    from ascend_rl_plugins.features.moe_reshard.verl09_colocated import current
+    from ascend_rl_plugins.patching import REGISTRY
+    from tests.support import verl_cpu_platform
+    verl_cpu_platform.install()
+    patch = next(p for p in moe_reshard.FEATURE.patches if p.name == "moe_reshard.hand_training_engine")
+    if patch.outcome.state == "applied":
+        REGISTRY.revert(patch)
+    out = {}
+    for case in ("stock", "patched"):
+        if case == "patched":
+            REGISTRY.apply(patch)
+        worker = _naive_worker()
+        asyncio.run(workers.ActorRolloutRefWorker.update_weights(worker, global_steps=3))
+        out[case] = {"scope": worker.actor.engine.seen, "kwargs": worker.actor.engine.kwargs,
+                     "loaded": worker.rollout.got}
+    REGISTRY.revert(patch)
+    out["after"] = current()
     return out
