@@ -88,7 +88,7 @@ class Workload:
     median_response: int = 7000
     sigma_between: float = 0.7  # log-length spread between prompts (groups)
     sigma_within: float = 0.7  # log-length spread between siblings
-    history: float = 0.0  # share of prompts whose previous-step lengths the router has seen
+    history: float = 0.0  # share of the first batch's prompts the router served one step earlier
     kv_tokens: int = 850_000  # per replica
     kv_bytes_per_token: float = 94 * 2 * 1 * 128 * 2  # Qwen3-235B, TP4: 1 KV head per rank
     link_bytes_per_s: float = 20e9
@@ -108,7 +108,7 @@ SCENARIOS = {
 }
 
 
-SECONDS_PER_TOKEN = 0.1  # a past step's duration per generated token (a full batch's TPOT)
+WARM_UP_GROUPS = 10**6  # group ids of the warm-up step's other prompts start here (no clash)
 
 
 @dataclass
@@ -136,9 +136,25 @@ def make_batches(w: Workload) -> list[Requests]:
         for g in range(w.prompts):
             if rng.random() < w.history:  # the same prompt one step earlier: same group law
                 past = np.exp(centre[g] + rng.normal(0, w.sigma_within, w.n))
-                history[g + b * w.prompts] = np.clip(past, 16, w.max_response)
+                history[g + b * w.prompts] = np.clip(past, 16, w.max_response).astype(np.int64)
         out.append(Requests(lengths, prompt, group, arrival, history))
     return out
+
+
+def previous_step(w: Workload, req: Requests) -> Requests:
+    """The step the router served before the measured one (the router actor lives for the whole
+    run): the prompts in ``req.history`` again, with their previous-step lengths, and other
+    prompts (another draw of the workload, group ids from ``WARM_UP_GROUPS``) in place of the
+    rest. The router learns from it what it would in verl, durations at the simulated replicas'
+    own pace, so its per-prompt statistics and its mean duration are in the same units as what
+    it observes in the measured step."""
+    other = make_batches(replace(w, seed=w.seed + 1000, batches=1, history=0.0))[0]
+    length, prompt, group = other.length.copy(), other.prompt.copy(), other.group + WARM_UP_GROUPS
+    first = int(req.group[0])
+    for g, past in req.history.items():
+        rows = slice((g - first) * w.n, (g - first + 1) * w.n)
+        length[rows], prompt[rows], group[rows] = past, req.prompt[rows], g
+    return Requests(length, prompt, group, other.arrival, {})
 
 
 @dataclass
@@ -486,6 +502,8 @@ class OracleOrderPolicy(routing.RoutingPolicy):
         self.true_lengths = lengths  # request key -> response tokens
 
     def _key(self, pending):
+        if pending.request_id not in self.true_lengths:  # the warm-up step: the shipped order
+            return super()._key(pending)
         return -float(self.true_lengths[pending.request_id])
 
 
@@ -528,18 +546,21 @@ class ThisRouter(Policy):
             for r in sim.replicas:
                 self.policy.add_replica(str(r.index), r.slots)
             self.policy.max_response_tokens = sim.w.max_response
-            # step >= 2 of a run: the servers' generated-length histogram (cumulative since
-            # they started) and the router's mean duration hold one earlier step of the same
-            # workload (other prompts)
-            past = make_batches(replace(sim.w, seed=sim.w.seed + 1000, batches=1))[0].length
-            self.gen_sum, self.gen_count = float(past.sum()), len(past)
-            self.policy.lengths.mean_duration = float(past.mean()) * SECONDS_PER_TOKEN
-            self.policy.lengths.observed = len(past)
-        for g, past in req.history.items():  # the same prompt's previous step, as durations
-            for tokens in past:
-                self.policy.lengths.observe(str(g), float(tokens) * SECONDS_PER_TOKEN)
+            self.warm_up(sim.w, req)
         self.report(sim)
         super().begin(sim, req, start)
+
+    def warm_up(self, w: Workload, req: Requests) -> None:
+        """Step >= 2 of a run: this router served :func:`previous_step` first (on replicas of
+        its own, no migration), so its mean duration, its per-prompt statistics for the prompts
+        seen before, and the servers' generated-length histogram (cumulative since they
+        started) hold one earlier step. Request ids of that step never clash with the measured
+        step's (no false multi-turn stickiness)."""
+        earlier = ThisRouter(self.policy.settings, self.check_every)
+        earlier.policy, earlier.batch = self.policy, -1000
+        Simulation(w, earlier).run_batch(previous_step(w, req), 0.0)
+        self.gen_sum, self.gen_count = earlier.gen_sum, earlier.gen_count
+        self.policy.clear_sticky()  # single-turn requests: nothing of the earlier step continues
 
     def _bound(self, sim, dispatches):
         for d in dispatches:

@@ -140,3 +140,29 @@ def test_the_router_follows_every_simulated_move_and_ends_with_empty_books():
     assert sim.tally.moved_kv > 0 and len(told) == sim.tally.moved_kv and all(told)
     assert all(not r.inflight and not r.groups for r in client.policy.replicas.values())
     assert client.acquired == {}
+
+
+def test_the_router_learns_past_steps_from_a_simulated_step_in_the_same_units():
+    """History (a prompt served one step earlier) reaches the router as verl would give it: by
+    serving a previous step on the simulated replicas, so its per-prompt statistics and its mean
+    duration come from the same duration process as the measured step's (a fixed seconds-per-
+    token conversion made past prompts look about 30 % shorter than live ones). Every prompt with
+    history has its n siblings' observations, the others none; no request id of that step is
+    sticky in the measured one."""
+    w = replace(SMALL["math-8k"], history=0.5)
+    req = bench.make_batches(w)[0]
+    router = bench.ThisRouter(DEFAULTS)
+    sim = bench.Simulation(w, router)
+    sim.req = req
+    router.begin(sim, req, 0.0)
+    seen = router.policy.lengths.by_group
+    groups = {str(int(g)) for g in set(req.group.tolist())}
+    with_history = {str(g) for g in req.history}
+    assert 0 < len(with_history) < len(groups)
+    assert {g for g in groups if g in seen} == with_history
+    assert all(seen[g][1] == w.n for g in with_history)
+    assert not router.policy.sticky and router.policy.inflight() == 0
+    # the mean duration is what the replicas' own pace gave, not tokens x a constant
+    warm = bench.previous_step(w, req)
+    assert router.gen_count == len(warm.length) and router.gen_sum == float(warm.length.sum())
+    assert router.policy.lengths.observed == len(warm.length)
