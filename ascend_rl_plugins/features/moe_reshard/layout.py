@@ -246,6 +246,9 @@ def _linear_map(ep: int, rank: int, num_experts: int) -> tuple[int, ...]:
     return tuple(range(start, start + base + (1 if rank < rem else 0)))
 
 
+PLACEMENTS = ("linear", "round_robin")  # vLLM's expert_placement_strategy values
+
+
 def placement_map(placement: str, ep: int, rank: int, num_experts: int) -> tuple[int, ...]:
     """The experts rank ``rank`` of an expert-parallel group of ``ep`` vLLM workers hosts under
     vLLM's ``expert_placement_strategy`` (``linear`` or ``round_robin``), in local-slot order."""
@@ -253,7 +256,7 @@ def placement_map(placement: str, ep: int, rank: int, num_experts: int) -> tuple
         return _linear_map(ep, rank, num_experts)
     if placement == "round_robin":
         return tuple(range(rank, num_experts, ep))
-    raise ValueError(f"expert_placement_strategy must be 'linear' or 'round_robin', got {placement!r}")
+    raise ValueError(f"expert_placement_strategy must be one of {PLACEMENTS}, got {placement!r}")
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,8 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from . import BACKEND, agreement
-from .layout import MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_name, placement_map
+from .layout import PLACEMENTS, MoEShape, RolloutLayout, TrainingLayout, parse_hf_expert_name, placement_map
 from .planner import PlanError
-
-PLACEMENTS = ("linear", "round_robin")
 EXPERT_MAPS = ("auto", "live", "config")
 # registered backends that cannot stand in for this one: itself; "naive" (verl's colocated path, no
 # checkpoint-engine group: the manager never calls a backend for it); "delta_sharded" (its

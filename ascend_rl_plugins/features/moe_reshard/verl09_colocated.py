@@ -59,9 +59,8 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from .layout import PLACEMENTS
 from .planner import PlanError
-
-PLACEMENTS = ("linear", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,8 @@ class ColocatedRollout:
             why = f"rollout.name={get('name')!r}: the colocated reshard feeds vLLM workers only"
         elif disaggregation is not None and (disaggregation.get("enabled", False) if hasattr(disaggregation, "get")
                                              else getattr(disaggregation, "enabled", False)):
-            why = "prefill/decode-disaggregated rollout replicas are not served (verl offsets their weight-sync ranks)"
+            why = ("prefill/decode-disaggregated rollout replicas are not served (a replica runs a prefill and "
+                   "decode engines of their own sizes, not one engine of rank r % W per trainer rank r)")
         elif pp > 1:
             why = f"rollout pipeline_model_parallel_size={pp}: vLLM pipeline stages are not served"
         elif vllm_kwargs.get("enable_eplb"):
