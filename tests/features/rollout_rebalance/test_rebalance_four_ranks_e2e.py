@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.child import run_group
+from tests.support.child import GREEDY_ENGINE_ENV, run_group
 
 from .test_rebalance_engine_e2e import ENV, MODES, check_outputs, pytestmark  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tiny_model_path):
-    return run_group("tests.features.rollout_rebalance.engine_scenario", "four_ranks", 4, env=ENV,
-                     timeout=1500)
+    # every request of engine_scenario.four_ranks is greedy (the two-rank module samples too):
+    # the four engines start without torch.compile (tests/support/child.py says why)
+    return run_group("tests.features.rollout_rebalance.engine_scenario", "four_ranks", 4,
+                     env=dict(ENV, **GREEDY_ENGINE_ENV), timeout=1500)
 
 
 @MODES
