@@ -39,7 +39,9 @@ Policies, compared in one deterministic run per scenario:
   lengths), controller 'siblings' (each request expected at its GRPO group's mean over started
   siblings of final or so-far length), and the router's queue ordered by the true lengths
   (``OracleOrderPolicy``: how much of the gap is information about which waiting request is
-  long);
+  long); and :func:`what_ifs` after it: the planner reserving each destination's expected growth
+  (``TailSettings.reserve_expected_growth``), and preempted requests handed back to the router's
+  shared queue instead of their replica's own (``RequeueOnPreemptionPolicy``);
 * ``pooled engine``: one engine with R x the KV, slots and prefill rate, its step that of R
   replicas sharing the batch evenly: the reference the issue names (not a bound: it admits
   FIFO and preempts like vLLM); :func:`lower_bounds` gives three bounds for any policy, printed
@@ -166,6 +168,7 @@ class Tally:
     moved_bytes: float = 0.0
     aborted: int = 0
     rebalances: int = 0
+    requeued: int = 0  # preempted requests handed back to the router (what-if REQUEUE)
 
 
 def step_model(w: Workload) -> tail_policy.StepCostModel:
@@ -294,11 +297,19 @@ class Replica:
             if rid in self.running and f == self._finish_of(rid):
                 self.stop(rid)
                 done.append(rid)
+        handed_back = []
         while self.running and self.context() > self.kv:
             rid = next(reversed(self.running))
-            self.waiting.appendleft((rid, self.stop(rid)))
+            if self.sim.policy.takes_preempted:  # what-if: back to the router's shared queue
+                handed_back.append((rid, self.stop(rid)))
+            else:  # vLLM: back to the head of this replica's own queue
+                self.waiting.appendleft((rid, self.stop(rid)))
             self.sim.tally.preempted += 1
         self.admit()
+        for rid, gen in handed_back:
+            self.sim.where.pop(rid, None)
+            self.sim.tally.requeued += 1
+            self.sim.policy.preempted(self.sim, rid, gen, self.index)
         return done
 
     def idle(self) -> bool:
@@ -413,6 +424,7 @@ class Simulation:
 
 class Policy:
     check_every: float = 0.0
+    takes_preempted: bool = False  # True: a preempted request goes to ``preempted``, not the replica's queue
 
     def begin(self, sim: Simulation, req: Requests, start: float) -> None:
         if self.check_every:
@@ -421,6 +433,15 @@ class Policy:
     def arrive(self, sim, rid, gen): ...
 
     def finish(self, sim, rid, replica, t): ...
+
+    def preempted(self, sim, rid, gen, replica):
+        """What-if ``requeue_preempted``: the preempted request's client resubmits it (prompt +
+        ``gen`` tokens, a re-prefill wherever it lands) through the router after one move's
+        overhead (``TransferCostModel.move_overhead_s``)."""
+        key = self.key(rid)
+        self.policy.take_back(key, self.acquired.pop(rid))
+        self.policy.requeued[key] = gen
+        sim.push(sim.now + sim.transfer_model.move_overhead_s, "arrive", (rid, gen))
 
     def landed(self, sim, rid, replica): ...
 
@@ -507,6 +528,57 @@ class OracleOrderPolicy(routing.RoutingPolicy):
         return -float(self.true_lengths[pending.request_id])
 
 
+class GroupMeanOrderPolicy(routing.RoutingPolicy):
+    """NOT shipped, a what-if: the router's queue ordered by the true mean response length of
+    each request's GRPO group (what perfect knowledge of every prompt's lengths would give,
+    without knowing which sibling is the long one). ``ThisRouter(group_order=True)``."""
+
+    def __init__(self, settings: routing.RouterSettings, group_means: dict):
+        super().__init__(settings)
+        self.group_means = group_means  # group key -> mean response tokens of its siblings
+
+    def _key(self, pending):
+        if pending.group not in self.group_means:  # the warm-up step: the shipped order
+            return super()._key(pending)
+        return -self.group_means[pending.group]
+
+
+class RequeueOnPreemptionPolicy(routing.RoutingPolicy):
+    """NOT shipped, a what-if for the sweep (``ThisRouter(requeue_preempted=True)``): a request
+    its replica preempts comes back to the router's shared queue, ahead of every request that
+    never started (the longest-generated first), instead of waiting in that replica's own queue.
+
+    Why it is worth measuring: vLLM's recompute preemption frees the request's KV, so resuming
+    it anywhere costs the same re-prefill of prompt + generated tokens as resuming it where it
+    was; only the wait differs. A replica's own queue waits for that replica's room; the shared
+    queue takes the first room anywhere, which is what the pooled engine (one queue for all KV)
+    has and independent replicas lack. With it the router can admit on the KV in use (a small
+    ``kv_reserve``, a loose ``kv_budget``), start every request early as the pooled engine
+    does, and let preemption sort out which ones were long. Building it needs what no layer
+    offers today: vLLM's scheduler (``Scheduler._preempt_request``, vLLM 0.13 and 0.23) ending
+    a preempted request towards its client with its tokens so far, and verl's client
+    resubmitting it through the router (the feature README's design note)."""
+
+    def __init__(self, settings: routing.RouterSettings):
+        super().__init__(settings)
+        self.requeued: dict[str, int] = {}  # request id -> tokens it had generated when preempted
+
+    def _key(self, pending):
+        generated = self.requeued.get(pending.request_id)
+        if generated is None:
+            return super()._key(pending)
+        return -1e12 - generated  # ahead of every never-started request (keys >= -2 x max tokens)
+
+    def take_back(self, request_id: str, server_id: str) -> None:
+        """The replica preempted the request: off its books, with no duration observed (it did
+        not finish) and no sticky entry (it may resume anywhere)."""
+        replica = self.replicas[server_id]
+        start = self._started.pop(request_id, None)
+        if request_id in replica.inflight:
+            replica.drop(request_id, start[1] if start is not None else None)
+        self.sticky.pop(request_id, None)
+
+
 class ThisRouter(Policy):
     """The router verl loads (routing.RoutingPolicy), fed what it sees there; with
     ``migrate_every`` > 0, plus the tail-migration planner (tail_policy.plan_moves) every that
@@ -514,14 +586,22 @@ class ThisRouter(Policy):
 
     def __init__(self, settings: routing.RouterSettings, metrics_interval: float = 1.0,
                  migrate_every: float = 0.0, tail: tail_policy.TailSettings | None = None,
-                 controller: str = "client", tell_router: bool = True, oracle_order: bool = False):
+                 controller: str = "client", tell_router: bool = True, oracle_order: bool = False,
+                 requeue_preempted: bool = False, group_order: bool = False):
         self.tell_router = tell_router
         self.oracle_order = oracle_order
         if controller not in CONTROLLERS:
             raise ValueError(f"controller={controller!r}: accepted {', '.join(CONTROLLERS)}")
+        if oracle_order + requeue_preempted + group_order > 1:
+            raise ValueError("oracle_order, requeue_preempted, group_order: accepted one what-if at a time")
         self.controller = controller
         self.true_lengths: dict = {}
+        self.group_means: dict = {}
+        self.group_order = group_order
+        self.takes_preempted = requeue_preempted
         self.policy = (OracleOrderPolicy(settings, self.true_lengths) if oracle_order
+                       else RequeueOnPreemptionPolicy(settings) if requeue_preempted
+                       else GroupMeanOrderPolicy(settings, self.group_means) if group_order
                        else routing.RoutingPolicy(settings))
         self.check_every = metrics_interval
         self.migrate_every = migrate_every
@@ -542,6 +622,9 @@ class ThisRouter(Policy):
         self.batch += 1
         if self.oracle_order:
             self.true_lengths.update({self.key(rid): int(n) for rid, n in enumerate(req.length)})
+        if self.group_order:
+            for g in np.unique(req.group):
+                self.group_means[str(int(g))] = float(req.length[req.group == g].mean())
         if not self.policy.replicas:
             for r in sim.replicas:
                 self.policy.add_replica(str(r.index), r.slots)
@@ -557,6 +640,7 @@ class ThisRouter(Policy):
         started) hold one earlier step. Request ids of that step never clash with the measured
         step's (no false multi-turn stickiness)."""
         earlier = ThisRouter(self.policy.settings, self.check_every)
+        earlier.takes_preempted = self.takes_preempted  # the earlier step ran the same system
         earlier.policy, earlier.batch = self.policy, -1000
         Simulation(w, earlier).run_batch(previous_step(w, req), 0.0)
         self.gen_sum, self.gen_count = earlier.gen_sum, earlier.gen_count
@@ -831,12 +915,55 @@ def sweep(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
     print(f"  the router alone, oracle queue order (NOT shipped): {alone.mean():+.1%} ({alone.min():+.1%})")
 
 
+# The what-if "preempted requests back to the router's queue": the router admitting on the KV in
+# use (no expected-size gate, 512 tokens of room per running request) rather than holding
+# requests back: the best of kv_reserve 256 / 512 / 768 / 1024 / 2048 with kv_budget 16, and of
+# kv_budget 2.5 / 16 at kv_reserve 512, on the 235B workload (3 seeds, separate runs of these
+# functions; the feature README lists them).
+REQUEUE_SETTINGS = {"kv_budget": 16.0, "kv_reserve": 512}
+
+
+def what_ifs(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
+    """What is NOT shipped and what it would give (mean gain over least-in-flight, worst seed):
+    the planner reserving each destination's expected growth, with the shipped router and with
+    the router's queue in true-length order; the queue ordered by each GRPO group's true mean; preempted requests handed back to the router's
+    shared queue (``RequeueOnPreemptionPolicy``), alone and with migration, at the table's
+    settings and at ``REQUEUE_SETTINGS``."""
+    print(f"\nwhat-ifs on {w.name}, {seeds} seeds (NOT shipped; vs least-in-flight: mean, worst seed):")
+    draws = [replace(w, seed=w.seed + 100 * k) for k in range(seeds)]
+    base = np.array([run(x, lambda: LeastInflight(x.seed))[0] for x in draws])
+    migrating = replace(defaults, **WITH_MIGRATION)
+    requeue = replace(defaults, **REQUEUE_SETTINGS)
+    growth = tail_policy.TailSettings(reserve_expected_growth=True)
+    cases = [
+        ("router + migration, planner reserving expected growth", migrating,
+         {"migrate_every": MIGRATE_EVERY, "tail": growth}),
+        ("router + migration, queue ordered by the true GRPO-group mean", migrating,
+         {"migrate_every": MIGRATE_EVERY, "group_order": True}),
+        ("router + migration (kv_budget 1.5), oracle queue order", defaults,
+         {"migrate_every": MIGRATE_EVERY, "oracle_order": True}),
+        ("router + migration (kv_budget 1.5), oracle queue order, planner reserving expected growth", defaults,
+         {"migrate_every": MIGRATE_EVERY, "oracle_order": True, "tail": growth}),
+        ("router alone, preempted back to the router's queue", requeue, {"requeue_preempted": True}),
+        ("router + migration, preempted back to the router's queue, table's settings", migrating,
+         {"migrate_every": MIGRATE_EVERY, "requeue_preempted": True}),
+        ("router + migration, preempted back to the router's queue", requeue,
+         {"migrate_every": MIGRATE_EVERY, "requeue_preempted": True}),
+    ]
+    for label, settings, kw in cases:
+        runs = [run(x, lambda: ThisRouter(settings, **kw)) for x in draws]
+        gain = 1 - np.array([r[0] for r in runs]) / base
+        preempted = np.mean([r[1].preempted for r in runs])
+        print(f"  {label}: {gain.mean():+.1%} ({gain.min():+.1%}); preempted {preempted:.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a quarter of the prompts, 8 replicas")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--seeds", type=int, default=3, help="draws of each workload")
+    ap.add_argument("--what-ifs-only", action="store_true", help="only the what-ifs (no table, no sweep)")
     args = ap.parse_args()
     from ascend_rl_plugins.features import rollout_rebalance as rr
     defaults = routing.RouterSettings(siblings=rr.ROUTER_SIBLINGS.default, order=rr.ROUTER_ORDER.default,
@@ -846,7 +973,7 @@ def main() -> None:
           f"kv_budget={defaults.kv_budget}, kv_reserve={defaults.kv_reserve}")
     t0 = time.perf_counter()
     results = {}
-    for key in args.scenarios.split(","):
+    for key in args.scenarios.split(",") if not args.what_ifs_only else ():
         w = SCENARIOS[key]
         if args.quick:
             w = replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4)
@@ -864,16 +991,18 @@ def main() -> None:
               f"least-in-flight {1 - (alone / lif).mean():+.1%}")
         worst.append(("router + migration", key, float((1 - mig / lif).min())))
         worst.append(("router alone", key, float((1 - alone / lif).min())))
-    for who in ("router + migration", "router alone"):
+    for who in ("router + migration", "router alone") if worst else ():
         mine = [x for x in worst if x[0] == who]
         low = min(mine, key=lambda x: x[2])
         print(f"{who} never worse than verl's least-in-flight on any scenario and seed: "
               f"{'yes' if low[2] >= 0 else 'NO'} (worst {low[2]:+.1%}, {low[1]})")
-    if not args.no_sweep:
-        for key in args.scenarios.split(","):
-            w = SCENARIOS[key]
-            sweep(replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4) if args.quick else w,
-                  defaults, args.seeds)
+    for key in args.scenarios.split(","):
+        w = SCENARIOS[key]
+        w = replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4) if args.quick else w
+        if not args.no_sweep and not args.what_ifs_only:
+            sweep(w, defaults, args.seeds)
+        if not args.no_sweep:
+            what_ifs(w, defaults, args.seeds)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"(simulated in {time.perf_counter() - t0:.0f} s; load average {load:.1f} on {os.cpu_count()} CPUs)")
 

@@ -139,6 +139,11 @@ class TailSettings:
     margin_s: float = 1.0  # a move must gain this much more than it costs
     survival: float = 2.0  # expected remaining >= survival x generated (heavy tails)
     growth_reserve_tokens: int = 2048  # KV left per request at the destination after a move
+    # True: a destination must also hold every request's expected growth (``expected_remaining``
+    # summed over what it runs, the moved request included), not only the reserve above: a
+    # moved request starts there as the newest, vLLM's first preemption victim once its KV runs
+    # out (see the feature README's fifth pass for when it matters)
+    reserve_expected_growth: bool = False
     moves_per_replica: int = 2  # moves a replica sends or receives per round
     max_moves: int = 64  # moves per round, all replicas
 
@@ -151,6 +156,8 @@ class TailSettings:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{name}={value!r}: accepted an integer >= 0")
+        if not isinstance(self.reserve_expected_growth, bool):
+            raise ValueError(f"reserve_expected_growth={self.reserve_expected_growth!r}: accepted True or False")
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,7 @@ class _Book:
         self.remaining = remaining
         self.context = view.context()
         self.moves = 0
+        self.growth = sum(remaining[r.request_id] for r in self.running)  # expected tokens still to come
 
     def step_ms(self, model: StepCostModel, extra_requests: int = 0, extra_tokens: int = 0) -> float:
         return model.step_ms(len(self.running) + extra_requests, self.context + extra_tokens)
@@ -247,16 +255,21 @@ def plan_moves(replicas: list[ReplicaView], step: StepCostModel, transfer: Trans
     reserve = settings.growth_reserve_tokens
     moves: list[Move] = []
 
-    def fits(book: _Book, tokens: int) -> bool:
-        return book.has_slot() and book.room() - tokens >= (len(book.running) + 1) * reserve
+    def fits(book: _Book, tokens: int, left: float) -> bool:
+        """Room at ``book`` for a request holding ``tokens`` with ``left`` expected to come."""
+        need = (len(book.running) + 1) * reserve
+        if settings.reserve_expected_growth:
+            need = max(need, book.growth + left)
+        return book.has_slot() and book.room() - tokens >= need
 
     # 1. queued requests (they hold no KV) to a replica that can start them now
     for src in books:
         for request in list(src.view.queued):
             if len(moves) >= settings.max_moves:
                 return moves
+            left = expected_remaining(request, max_response_tokens, settings.survival)
             dst = min((b for b in books if b is not src and not b.view.queued
-                       and b.moves < settings.moves_per_replica and fits(b, request.tokens)),
+                       and b.moves < settings.moves_per_replica and fits(b, request.tokens, left)),
                       key=lambda b: (b.step_ms(step, 1, request.tokens), b.view.server_id), default=None)
             if dst is None:
                 break
@@ -265,7 +278,8 @@ def plan_moves(replicas: list[ReplicaView], step: StepCostModel, transfer: Trans
                               cost, 0.0))
             dst.running.append(request)
             dst.context += request.tokens
-            remaining[request.request_id] = expected_remaining(request, max_response_tokens, settings.survival)
+            remaining[request.request_id] = left
+            dst.growth += left
             dst.moves += 1
 
     # 2. the longest-horizon replica's longest request to where it finishes earliest
@@ -283,9 +297,10 @@ def plan_moves(replicas: list[ReplicaView], step: StepCostModel, transfer: Trans
         finish_here = left * src_step_s
         src.running.remove(request)
         src.context -= request.tokens
+        src.growth -= left
         best = None
         for dst in books:
-            if dst is src or dst.moves >= settings.moves_per_replica or not fits(dst, request.tokens):
+            if dst is src or dst.moves >= settings.moves_per_replica or not fits(dst, request.tokens, left):
                 continue
             by_kv = transfer.kv_seconds(request.tokens)
             by_prefill = transfer.prefill_seconds(request.tokens)
@@ -304,12 +319,14 @@ def plan_moves(replicas: list[ReplicaView], step: StepCostModel, transfer: Trans
         if best is None:
             src.running.append(request)  # stays; nothing better for the worst replica: done
             src.context += request.tokens
+            src.growth += left
             break
         _, dst, method, cost, gain = best
         moves.append(Move(request.request_id, src.view.server_id, dst.view.server_id, method, cost, gain))
         done.add(request.request_id)
         dst.running.append(request)
         dst.context += request.tokens
+        dst.growth += left
         src.moves += 1
         dst.moves += 1
     return moves

@@ -166,3 +166,28 @@ def test_the_router_learns_past_steps_from_a_simulated_step_in_the_same_units():
     warm = bench.previous_step(w, req)
     assert router.gen_count == len(warm.length) and router.gen_sum == float(warm.length.sum())
     assert router.policy.lengths.observed == len(warm.length)
+
+
+def test_the_requeue_what_if_hands_every_preempted_request_back_once_and_loses_none():
+    """The what-if "preempted requests back to the router's queue" (NOT shipped): every request
+    a replica preempts leaves it (it is not put back in that replica's own queue), comes back
+    through the router, and still finishes exactly once; the router's books
+    are empty at the end. With the router admitting on the KV in use (``REQUEUE_SETTINGS``) the
+    small 235B workload preempts, so the path is exercised."""
+    w = SMALL["qwen3-235b-32k-grpo"]
+    settings = replace(DEFAULTS, **bench.REQUEUE_SETTINGS)
+    client = bench.ThisRouter(settings, migrate_every=bench.MIGRATE_EVERY, requeue_preempted=True)
+    sim = bench.Simulation(w, client)
+    handed_back = []
+    back = client.preempted
+    client.preempted = lambda s, rid, gen, replica: handed_back.append((rid, gen)) or back(s, rid, gen, replica)
+    req = bench.make_batches(w)[0]
+    sim.run_batch(req, 0.0)
+    assert sim.tally.preempted > 0 and len(handed_back) == sim.tally.requeued == sim.tally.preempted
+    # a request comes back with the tokens it had generated, resumed from them (not from scratch)
+    assert any(gen > 0 for _, gen in handed_back)
+    assert sorted(sim.finished) == list(range(len(req.length)))
+    assert client.policy.queued == 0 and client.acquired == {}
+    assert all(not r.inflight and not r.groups for r in client.policy.replicas.values())
+    with pytest.raises(ValueError, match="one what-if at a time"):
+        bench.ThisRouter(settings, oracle_order=True, requeue_preempted=True)

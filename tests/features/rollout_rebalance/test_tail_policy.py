@@ -48,6 +48,23 @@ def test_a_move_never_overfills_the_destination():
     assert all(m.destination != "b" for m in moves)
 
 
+def test_reserving_expected_growth_keeps_a_move_out_of_a_replica_whose_requests_will_fill_it():
+    """A moved request starts at its destination as the newest, vLLM's first preemption victim:
+    with ``reserve_expected_growth`` the planner moves it only where the KV also holds what every
+    request there is expected to grow by. Here the destination has room for the 2048-token
+    reserve per request (8 x 20500 tokens held, 2048 each to grow, the moved request's 8500: 191K
+    of 250K) but its 8 requests are expected to run to the 32768 cap (12768 more each, survival
+    2) and the moved one 22000 more: 296K."""
+    growing = _replica("b", [_req(f"g{i}", 20000, 32768) for i in range(8)], kv=250_000)
+    source = _loaded_and_idle()[0]
+    by_reserve = tp.plan_moves([source, growing], STEP, FAST_LINK, 32768)
+    assert [(m.request_id, m.destination) for m in by_reserve] == [("long", "b")]
+    careful = tp.TailSettings(reserve_expected_growth=True)
+    assert tp.plan_moves([source, growing], STEP, FAST_LINK, 32768, careful) == []
+    idle = tp.plan_moves([source, growing, _replica("c")], STEP, FAST_LINK, 32768, careful)
+    assert [(m.request_id, m.destination) for m in idle] == [("long", "c")]
+
+
 def test_queued_requests_go_to_a_replica_with_room():
     waiting = _replica("a", [_req("r", 100, 200)], queued=[_req("q0", 300, 900), _req("q1", 0, 900)])
     moves = tp.plan_moves([waiting, _replica("b")], STEP, FAST_LINK, 32768)
@@ -99,6 +116,8 @@ def test_bad_model_and_settings_name_the_argument():
         tp.TailSettings(margin_s=-1)
     with pytest.raises(ValueError, match="moves_per_replica=1.5.*integer"):
         tp.TailSettings(moves_per_replica=1.5)
+    with pytest.raises(ValueError, match="reserve_expected_growth='yes'.*True or False"):
+        tp.TailSettings(reserve_expected_growth="yes")
 
 
 @st.composite
@@ -123,7 +142,8 @@ def _cluster(draw):
 @hsettings(max_examples=80, deadline=None)
 @given(_cluster(), st.sampled_from([FAST_LINK, SLOW_LINK]),
        st.builds(tp.TailSettings, margin_s=st.sampled_from([0.0, 1.0, 30.0]),
-                 moves_per_replica=st.integers(1, 4), max_moves=st.integers(1, 16)))
+                 moves_per_replica=st.integers(1, 4), max_moves=st.integers(1, 16),
+                 reserve_expected_growth=st.booleans()))
 def test_every_move_is_worth_its_cost_and_moves_each_request_once(replicas, link, settings):
     """Whatever the cluster: a running request moves only if its expected gain exceeds its
     cost plus the margin, from the replica that holds it to another one with a free slot and
@@ -155,3 +175,6 @@ def test_every_move_is_worth_its_cost_and_moves_each_request_once(replicas, link
             assert len(final[v.server_id]) <= v.slots
             assert (sum(r.tokens for r in final[v.server_id]) + len(final[v.server_id]) * settings.growth_reserve_tokens
                     <= v.kv_capacity_tokens)
+            if settings.reserve_expected_growth:  # and room for every request's expected growth
+                growth = sum(tp.expected_remaining(r, 32768, settings.survival) for r in final[v.server_id])
+                assert sum(r.tokens for r in final[v.server_id]) + growth <= v.kv_capacity_tokens
