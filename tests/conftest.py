@@ -9,16 +9,16 @@ os.environ.setdefault("ASCEND_RL_AUTOLOAD", "0")  # tests activate explicitly, i
 os.environ["ARP_TEST_PARENT_VERL_PLUGINS"] = os.environ.get("VERL_USE_EXTERNAL_PLUGINS", "")
 os.environ["VERL_USE_EXTERNAL_PLUGINS"] = "none"
 
-from tests.support import cpu_isa  # noqa: E402
+from tests.support import cpu_isa, process_hooks  # noqa: E402
 from tests.support.stacks import running_stack, vllm_version  # noqa: E402
 
-if os.environ.get(cpu_isa.ENV):  # a post-import hook: applied when torch is imported
-    cpu_isa.apply_from_env()
-    # ... and in every process the suite starts, through a sitecustomize on PYTHONPATH
-    _repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.path.join(_repo, "tests", "support", "simulated_cpu_site"), _repo,
-                    os.environ.get("PYTHONPATH", "")) if p)
+# ARP_TEST_CPU_ISA and the ISA-probe cache (tests/support/process_hooks.py): post-import hooks,
+# applied when torch is imported, in this process ...
+process_hooks.install_in_this_process()
+# ... and in every process the suite starts, through a sitecustomize on PYTHONPATH
+_repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (process_hooks.SITE_DIR, _repo, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def pytest_report_header(config):

@@ -51,6 +51,8 @@ ENGINE_ENV = {
 # with Inductor's on-disk cache warm): 22 s of a 26 s engine build, 20 s of them Inductor
 # checking which vector ISAs this CPU can run (it starts a fresh Python that imports torch per
 # ISA, in every process; TORCHINDUCTOR_VEC_ISA_OK skips only the first of these checks).
+# Those checks are now remembered across processes (tests/support/isa_probe_cache.py), so
+# only the first compiling process on a machine pays them; the compile itself remains.
 # Greedy requests never call that helper; with torch.compile off the warm-up runs it eagerly.
 # The same switch leaves vLLM's compiled log-prob rank helper eager (identical integer counts).
 # Only for processes whose every request is greedy: engines that sample keep the compiled path.
