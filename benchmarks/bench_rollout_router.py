@@ -434,14 +434,7 @@ class Policy:
 
     def finish(self, sim, rid, replica, t): ...
 
-    def preempted(self, sim, rid, gen, replica):
-        """What-if ``requeue_preempted``: the preempted request's client resubmits it (prompt +
-        ``gen`` tokens, a re-prefill wherever it lands) through the router after one move's
-        overhead (``TransferCostModel.move_overhead_s``)."""
-        key = self.key(rid)
-        self.policy.take_back(key, self.acquired.pop(rid))
-        self.policy.requeued[key] = gen
-        sim.push(sim.now + sim.transfer_model.move_overhead_s, "arrive", (rid, gen))
+    def preempted(self, sim, rid, gen, replica): ...  # only where ``takes_preempted``
 
     def landed(self, sim, rid, replica): ...
 
@@ -663,6 +656,15 @@ class ThisRouter(Policy):
         # released to the replica it was acquired from (verl's client does; moves are not told)
         self.policy.release(self.acquired.pop(rid), self.key(rid), t)
         self._bound(sim, self.policy.dispatch(t))
+
+    def preempted(self, sim, rid, gen, replica):
+        """What-if ``requeue_preempted``: the preempted request's client resubmits it (prompt +
+        ``gen`` tokens, a re-prefill wherever it lands) through the router after one move's
+        overhead (``TransferCostModel.move_overhead_s``)."""
+        key = self.key(rid)
+        self.policy.take_back(key, self.acquired.pop(rid))
+        self.policy.requeued[key] = gen
+        sim.push(sim.now + sim.transfer_model.move_overhead_s, "arrive", (rid, gen))
 
     def landed(self, sim, rid, replica):
         """A moved request starts its hop at ``replica``: the shipped client
@@ -926,9 +928,9 @@ REQUEUE_SETTINGS = {"kv_budget": 16.0, "kv_reserve": 512}
 def what_ifs(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
     """What is NOT shipped and what it would give (mean gain over least-in-flight, worst seed):
     the planner reserving each destination's expected growth, with the shipped router and with
-    the router's queue in true-length order; the queue ordered by each GRPO group's true mean; preempted requests handed back to the router's
-    shared queue (``RequeueOnPreemptionPolicy``), alone and with migration, at the table's
-    settings and at ``REQUEUE_SETTINGS``."""
+    the router's queue in true-length order; the queue ordered by each GRPO group's true mean;
+    preempted requests handed back to the router's shared queue (``RequeueOnPreemptionPolicy``),
+    alone and with migration, at the table's settings and at ``REQUEUE_SETTINGS``."""
     print(f"\nwhat-ifs on {w.name}, {seeds} seeds (NOT shipped; vs least-in-flight: mean, worst seed):")
     draws = [replace(w, seed=w.seed + 100 * k) for k in range(seeds)]
     base = np.array([run(x, lambda: LeastInflight(x.seed))[0] for x in draws])
@@ -957,6 +959,11 @@ def what_ifs(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
         print(f"  {label}: {gain.mean():+.1%} ({gain.min():+.1%}); preempted {preempted:.0f}")
 
 
+def quick_workload(w: Workload) -> Workload:
+    """``--quick``: a quarter of the prompts and replicas (at least 2)."""
+    return replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a quarter of the prompts, 8 replicas")
@@ -976,7 +983,7 @@ def main() -> None:
     for key in args.scenarios.split(",") if not args.what_ifs_only else ():
         w = SCENARIOS[key]
         if args.quick:
-            w = replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4)
+            w = quick_workload(w)
         results[key] = print_rows(w, compare(w, defaults, args.seeds))
     print()
     worst = []
@@ -998,7 +1005,7 @@ def main() -> None:
               f"{'yes' if low[2] >= 0 else 'NO'} (worst {low[2]:+.1%}, {low[1]})")
     for key in args.scenarios.split(","):
         w = SCENARIOS[key]
-        w = replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4) if args.quick else w
+        w = quick_workload(w) if args.quick else w
         if not args.no_sweep and not args.what_ifs_only:
             sweep(w, defaults, args.seeds)
         if not args.no_sweep:

@@ -15,8 +15,7 @@ bench = pytest.importorskip("bench_rollout_router")
 
 from ascend_rl_plugins.features.rollout_rebalance import routing  # noqa: E402
 
-SMALL = {key: replace(w, replicas=max(w.replicas // 4, 2), prompts=w.prompts // 4)  # --quick
-         for key, w in bench.SCENARIOS.items()}
+SMALL = {key: bench.quick_workload(w) for key, w in bench.SCENARIOS.items()}  # --quick
 DEFAULTS = routing.RouterSettings()
 
 
