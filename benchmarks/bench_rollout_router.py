@@ -40,8 +40,11 @@ Policies, compared in one deterministic run per scenario:
   siblings of final or so-far length), and the router's queue ordered by the true lengths
   (``OracleOrderPolicy``: how much of the gap is information about which waiting request is
   long); and :func:`what_ifs` after it: the planner reserving each destination's expected growth
-  (``TailSettings.reserve_expected_growth``), and preempted requests handed back to the router's
-  shared queue instead of their replica's own (``RequeueOnPreemptionPolicy``);
+  (``TailSettings.reserve_expected_growth``), and the hand-back at other router settings;
+* ``this router + KV migration + preemption hand-back``: the same, and a request a replica
+  preempts goes back to the router's shared queue (``RoutingPolicy.requeue``, flag
+  ``ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED``) instead of that replica's own, at the router settings
+  ``REQUEUE_SETTINGS``;
 * ``pooled engine``: one engine with R x the KV, slots and prefill rate, its step that of R
   replicas sharing the batch evenly: the reference the issue names (not a bound: it admits
   FIFO and preempts like vLLM); :func:`lower_bounds` gives three bounds for any policy, printed
@@ -168,7 +171,7 @@ class Tally:
     moved_bytes: float = 0.0
     aborted: int = 0
     rebalances: int = 0
-    requeued: int = 0  # preempted requests handed back to the router (what-if REQUEUE)
+    requeued: int = 0  # preempted requests handed back to the router (the hand-back)
 
 
 def step_model(w: Workload) -> tail_policy.StepCostModel:
@@ -199,6 +202,16 @@ class Replica:
         self.time = 0.0  # at ``step``
         self.finishing: list = []  # (finish step, rid)
         self.version = 0
+        # vLLM's priority scheduling (``Policy.priority_scheduling``): per request its
+        # (priority, arrival time here, order), priority = minus the tokens it generated before
+        # this hop (what the client would pass); a preempted request keeps its key
+        self.keys: dict[int, tuple] = {}
+
+    def arrived(self, rid: int, gen: int) -> None:
+        """``rid`` arrives here now, ``gen`` tokens generated before (a new hop in vLLM)."""
+        if self.sim.priority_scheduling:
+            self.sim.seq += 1
+            self.keys[rid] = (-gen, self.sim.now, self.sim.seq)
 
     # -- time ------------------------------------------------------------------------------
     def _base(self) -> float:
@@ -256,8 +269,11 @@ class Replica:
         self.step += k
 
     def admit(self) -> None:
-        """vLLM's scheduler: FIFO while a slot is free and the tokens fit; prefill stalls."""
+        """vLLM's scheduler: FIFO (priority scheduling: lowest (priority, arrival) first)
+        while a slot is free and the tokens fit; prefill stalls."""
         tokens = 0
+        if self.sim.priority_scheduling and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda x: self.keys[x[0]]))
         while self.waiting and len(self.running) < self.slots:
             rid, gen = self.waiting[0]
             p = int(self.sim.req.prompt[rid])
@@ -299,7 +315,10 @@ class Replica:
                 done.append(rid)
         handed_back = []
         while self.running and self.context() > self.kv:
-            rid = next(reversed(self.running))
+            # vLLM: FCFS preempts the request admitted last; priority scheduling the largest
+            # (priority, arrival time)
+            rid = (max(self.running, key=self.keys.__getitem__) if self.sim.priority_scheduling
+                   else next(reversed(self.running)))
             if self.sim.policy.takes_preempted:  # what-if: back to the router's shared queue
                 handed_back.append((rid, self.stop(rid)))
             else:  # vLLM: back to the head of this replica's own queue
@@ -322,6 +341,7 @@ class Simulation:
     def __init__(self, w: Workload, policy: "Policy", pooled: bool = False):
         self.w = w
         self.policy = policy
+        self.priority_scheduling = policy.priority_scheduling
         self.replicas = [Replica(self, 0, scale=w.replicas)] if pooled else [
             Replica(self, i) for i in range(w.replicas)]
         self.tally = Tally()
@@ -362,6 +382,7 @@ class Simulation:
         r = self.replicas[r_index]
         self.sync(r, self.now)
         self.where[rid] = r_index
+        r.arrived(rid, gen)
         if front:
             r.waiting.appendleft((rid, gen))
         else:
@@ -388,6 +409,7 @@ class Simulation:
                 rid, gen, index = data
                 r = self.replicas[index]
                 self.sync(r, self.now)
+                r.arrived(rid, gen)
                 r._start(rid, gen)
                 self.in_transit -= 1
                 self.schedule(r)
@@ -425,6 +447,7 @@ class Simulation:
 class Policy:
     check_every: float = 0.0
     takes_preempted: bool = False  # True: a preempted request goes to ``preempted``, not the replica's queue
+    priority_scheduling: bool = False  # True: the replicas run vLLM's priority scheduling
 
     def begin(self, sim: Simulation, req: Requests, start: float) -> None:
         if self.check_every:
@@ -536,42 +559,6 @@ class GroupMeanOrderPolicy(routing.RoutingPolicy):
         return -self.group_means[pending.group]
 
 
-class RequeueOnPreemptionPolicy(routing.RoutingPolicy):
-    """NOT shipped, a what-if for the sweep (``ThisRouter(requeue_preempted=True)``): a request
-    its replica preempts comes back to the router's shared queue, ahead of every request that
-    never started (the longest-generated first), instead of waiting in that replica's own queue.
-
-    Why it is worth measuring: vLLM's recompute preemption frees the request's KV, so resuming
-    it anywhere costs the same re-prefill of prompt + generated tokens as resuming it where it
-    was; only the wait differs. A replica's own queue waits for that replica's room; the shared
-    queue takes the first room anywhere, which is what the pooled engine (one queue for all KV)
-    has and independent replicas lack. With it the router can admit on the KV in use (a small
-    ``kv_reserve``, a loose ``kv_budget``), start every request early as the pooled engine
-    does, and let preemption sort out which ones were long. Building it needs what no layer
-    offers today: vLLM's scheduler (``Scheduler._preempt_request``, vLLM 0.13 and 0.23) ending
-    a preempted request towards its client with its tokens so far, and verl's client
-    resubmitting it through the router (the feature README's design note)."""
-
-    def __init__(self, settings: routing.RouterSettings):
-        super().__init__(settings)
-        self.requeued: dict[str, int] = {}  # request id -> tokens it had generated when preempted
-
-    def _key(self, pending):
-        generated = self.requeued.get(pending.request_id)
-        if generated is None:
-            return super()._key(pending)
-        return -1e12 - generated  # ahead of every never-started request (keys >= -2 x max tokens)
-
-    def take_back(self, request_id: str, server_id: str) -> None:
-        """The replica preempted the request: off its books, with no duration observed (it did
-        not finish) and no sticky entry (it may resume anywhere)."""
-        replica = self.replicas[server_id]
-        start = self._started.pop(request_id, None)
-        if request_id in replica.inflight:
-            replica.drop(request_id, start[1] if start is not None else None)
-        self.sticky.pop(request_id, None)
-
-
 class ThisRouter(Policy):
     """The router verl loads (routing.RoutingPolicy), fed what it sees there; with
     ``migrate_every`` > 0, plus the tail-migration planner (tail_policy.plan_moves) every that
@@ -580,8 +567,12 @@ class ThisRouter(Policy):
     def __init__(self, settings: routing.RouterSettings, metrics_interval: float = 1.0,
                  migrate_every: float = 0.0, tail: tail_policy.TailSettings | None = None,
                  controller: str = "client", tell_router: bool = True, oracle_order: bool = False,
-                 requeue_preempted: bool = False, group_order: bool = False):
+                 requeue_preempted: bool = False, group_order: bool = False,
+                 protect_moved: bool = False):
         self.tell_router = tell_router
+        # what-if: vLLM's priority scheduling on the replicas, each hop submitted with priority
+        # minus the tokens generated before it (a moved request is no longer the first victim)
+        self.priority_scheduling = protect_moved
         self.oracle_order = oracle_order
         if controller not in CONTROLLERS:
             raise ValueError(f"controller={controller!r}: accepted {', '.join(CONTROLLERS)}")
@@ -593,7 +584,6 @@ class ThisRouter(Policy):
         self.group_order = group_order
         self.takes_preempted = requeue_preempted
         self.policy = (OracleOrderPolicy(settings, self.true_lengths) if oracle_order
-                       else RequeueOnPreemptionPolicy(settings) if requeue_preempted
                        else GroupMeanOrderPolicy(settings, self.group_means) if group_order
                        else routing.RoutingPolicy(settings))
         self.check_every = metrics_interval
@@ -634,6 +624,7 @@ class ThisRouter(Policy):
         step's (no false multi-turn stickiness)."""
         earlier = ThisRouter(self.policy.settings, self.check_every)
         earlier.takes_preempted = self.takes_preempted  # the earlier step ran the same system
+        earlier.priority_scheduling = self.priority_scheduling
         earlier.policy, earlier.batch = self.policy, -1000
         Simulation(w, earlier).run_batch(previous_step(w, req), 0.0)
         self.gen_sum, self.gen_count = earlier.gen_sum, earlier.gen_count
@@ -658,12 +649,12 @@ class ThisRouter(Policy):
         self._bound(sim, self.policy.dispatch(t))
 
     def preempted(self, sim, rid, gen, replica):
-        """What-if ``requeue_preempted``: the preempted request's client resubmits it (prompt +
-        ``gen`` tokens, a re-prefill wherever it lands) through the router after one move's
-        overhead (``TransferCostModel.move_overhead_s``)."""
-        key = self.key(rid)
-        self.policy.take_back(key, self.acquired.pop(rid))
-        self.policy.requeued[key] = gen
+        """``requeue_preempted``, the preemption hand-back (``ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED``):
+        the preempted request's client hands it back to the router
+        (``RoutingPolicy.requeue``, what ``MigratingLLMServerClient`` calls through
+        ``requeue_request``) and submits it again (prompt + ``gen`` tokens, a re-prefill
+        wherever it lands) after one move's overhead (``TransferCostModel.move_overhead_s``)."""
+        self.policy.requeue(self.key(rid), self.acquired.pop(rid), gen)
         sim.push(sim.now + sim.transfer_model.move_overhead_s, "arrive", (rid, gen))
 
     def landed(self, sim, rid, replica):
@@ -742,6 +733,7 @@ class ThisRouter(Policy):
             if m.method == "queued":
                 gen = next(g for x, g in src.waiting if x == rid)
                 src.waiting.remove((rid, gen))
+                dst.arrived(rid, gen)
                 dst.waiting.append((rid, gen))
                 dst.admit()
             else:
@@ -753,6 +745,7 @@ class ThisRouter(Policy):
                     sim.in_transit += 1
                     sim.push(sim.now + m.cost_s, "land", (rid, gen, dst.index))
                 else:
+                    dst.arrived(rid, gen)
                     dst.waiting.appendleft((rid, gen))
                     dst.admit()
             sim.where[rid] = dst.index  # the router is not told (as in verl): its books keep src
@@ -793,13 +786,27 @@ WITH_MIGRATION = {"kv_budget": 2.5}
 MIGRATE_EVERY = rr.MIGRATION_INTERVAL.default
 
 
+# The router's settings under the preemption hand-back: admitting on the KV in use (no
+# expected-size gate, 512 tokens of room per running request) rather than holding requests
+# back, since a request a replica preempts comes back to the shared queue: the best of
+# kv_reserve 256 / 512 / 768 / 1024 / 2048 with kv_budget 16, and of kv_budget 2.5 / 16 at
+# kv_reserve 512, on the 235B workload (3 seeds, separate runs of these functions during the
+# fifth pass; the feature README lists them).
+REQUEUE_SETTINGS = {"kv_budget": 16.0, "kv_reserve": 512}
+
+
+HAND_BACK = "this router + KV migration + preemption hand-back (simulated)"
+
+
 def policies(w: Workload, defaults: routing.RouterSettings):
     migrating = replace(defaults, **WITH_MIGRATION)
+    handing_back = replace(defaults, **REQUEUE_SETTINGS)
     return [
         ("verl least-in-flight", lambda: LeastInflight(w.seed), False),
         ("verl abort-and-resubmit", lambda: AbortResubmit(w.seed), False),
         ("this router", lambda: ThisRouter(defaults), False),
         ("this router + KV migration (simulated)", lambda: ThisRouter(migrating, migrate_every=MIGRATE_EVERY), False),
+        (HAND_BACK, lambda: ThisRouter(handing_back, migrate_every=MIGRATE_EVERY, requeue_preempted=True), False),
         ("pooled engine (reference)", lambda: LeastInflight(w.seed), True),
     ]
 
@@ -917,20 +924,14 @@ def sweep(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
     print(f"  the router alone, oracle queue order (NOT shipped): {alone.mean():+.1%} ({alone.min():+.1%})")
 
 
-# The what-if "preempted requests back to the router's queue": the router admitting on the KV in
-# use (no expected-size gate, 512 tokens of room per running request) rather than holding
-# requests back: the best of kv_reserve 256 / 512 / 768 / 1024 / 2048 with kv_budget 16, and of
-# kv_budget 2.5 / 16 at kv_reserve 512, on the 235B workload (3 seeds, separate runs of these
-# functions; the feature README lists them).
-REQUEUE_SETTINGS = {"kv_budget": 16.0, "kv_reserve": 512}
 
 
 def what_ifs(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
     """What is NOT shipped and what it would give (mean gain over least-in-flight, worst seed):
     the planner reserving each destination's expected growth, with the shipped router and with
     the router's queue in true-length order; the queue ordered by each GRPO group's true mean;
-    preempted requests handed back to the router's shared queue (``RequeueOnPreemptionPolicy``),
-    alone and with migration, at the table's settings and at ``REQUEUE_SETTINGS``."""
+    and the preemption hand-back (shipped, the table's last migrating row) at other settings:
+    the router alone at ``REQUEUE_SETTINGS``, and with migration at the table's settings."""
     print(f"\nwhat-ifs on {w.name}, {seeds} seeds (NOT shipped; vs least-in-flight: mean, worst seed):")
     draws = [replace(w, seed=w.seed + 100 * k) for k in range(seeds)]
     base = np.array([run(x, lambda: LeastInflight(x.seed))[0] for x in draws])
@@ -946,10 +947,8 @@ def what_ifs(w: Workload, defaults: routing.RouterSettings, seeds: int) -> None:
          {"migrate_every": MIGRATE_EVERY, "oracle_order": True}),
         ("router + migration (kv_budget 1.5), oracle queue order, planner reserving expected growth", defaults,
          {"migrate_every": MIGRATE_EVERY, "oracle_order": True, "tail": growth}),
-        ("router alone, preempted back to the router's queue", requeue, {"requeue_preempted": True}),
-        ("router + migration, preempted back to the router's queue, table's settings", migrating,
-         {"migrate_every": MIGRATE_EVERY, "requeue_preempted": True}),
-        ("router + migration, preempted back to the router's queue", requeue,
+        ("router alone, preemption hand-back", requeue, {"requeue_preempted": True}),
+        ("router + migration, preemption hand-back, table's settings (kv_budget 2.5)", migrating,
          {"migrate_every": MIGRATE_EVERY, "requeue_preempted": True}),
     ]
     for label, settings, kw in cases:
@@ -989,16 +988,18 @@ def main() -> None:
     worst = []
     for key, r in results.items():
         lif, abort = r["verl least-in-flight"], r["verl abort-and-resubmit"]
-        mig, alone, pooled = (r["this router + KV migration (simulated)"], r["this router"],
-                              r["pooled engine (reference)"])
-        print(f"{key} (means over seeds): router + migration vs least-in-flight "
-              f"{1 - (mig / lif).mean():+.1%} (target >= +15% on 235B), vs abort-and-resubmit "
-              f"{1 - (mig / abort).mean():+.1%} (>= +5%), vs pooled {(mig / pooled).mean() - 1:+.1%} "
-              f"(<= +5%); pooled vs least-in-flight {1 - (pooled / lif).mean():+.1%}; router alone vs "
+        alone, pooled = r["this router"], r["pooled engine (reference)"]
+        for who, mig in (("router + migration", r["this router + KV migration (simulated)"]),
+                         ("router + migration + hand-back", r[HAND_BACK])):
+            print(f"{key} (means over seeds): {who} vs least-in-flight "
+                  f"{1 - (mig / lif).mean():+.1%} (target >= +15% on 235B), vs abort-and-resubmit "
+                  f"{1 - (mig / abort).mean():+.1%} (>= +5%), vs pooled {(mig / pooled).mean() - 1:+.1%} "
+                  f"(<= +5%)")
+            worst.append((who, key, float((1 - mig / lif).min())))
+        print(f"{key}: pooled vs least-in-flight {1 - (pooled / lif).mean():+.1%}; router alone vs "
               f"least-in-flight {1 - (alone / lif).mean():+.1%}")
-        worst.append(("router + migration", key, float((1 - mig / lif).min())))
         worst.append(("router alone", key, float((1 - alone / lif).min())))
-    for who in ("router + migration", "router alone") if worst else ():
+    for who in ("router + migration", "router + migration + hand-back", "router alone") if worst else ():
         mine = [x for x in worst if x[0] == who]
         low = min(mine, key=lambda x: x[2])
         print(f"{who} never worse than verl's least-in-flight on any scenario and seed: "

@@ -67,10 +67,14 @@ FEATURE = Feature("rollout_rebalance",
                                   "between vLLM 0.23 AsyncLLM replicas through the KV "
                                   "connector, forced and planned (tail_policy) moves; planned "
                                   "moves in verl 0.9.1's rollout created as its trainer creates "
-                                  "it from the printed config lines",
+                                  "it from the printed config lines; the preemption hand-back: "
+                                  "connector marks in a real vLLM 0.23 engine, and verl 0.9.1's "
+                                  "rollout on small-KV replicas",
                       doubles="verl 0.9 router: vLLMHttpServer doubles (get_rollout_config, "
                               "generate) and a vLLM /metrics exposition double",
-                      static="verl 0.9.1 async-server notice hook resolved in its source"),
+                      static="verl 0.9.1 async-server notice hook resolved in its source; "
+                             "vLLM 0.23 and vLLM-Ascend 0.23 schedulers filling "
+                             "SchedulerOutput.preempted_req_ids (the hand-back's mark)"),
                   stacks="recipe, current")
 
 _WHY_STEP = ("a rebalance round must run between two engine steps, when the scheduler, block "
@@ -194,6 +198,15 @@ MIGRATION_MARGIN = flags.define(
     "ASCEND_RL_ROLLOUT_MIGRATION_MARGIN", "float", 1.0,
     "Seconds a planned move must gain beyond its own cost (tail_policy.TailSettings.margin_s).",
     minimum=0.0, maximum=600, feature="rollout_rebalance")
+REQUEUE_PREEMPTED = flags.define(
+    "ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED", "bool", False,
+    "Preemption hand-back, with ASCEND_RL_ROLLOUT_MIGRATION=planned on verl 0.9: a request its "
+    "vLLM replica preempts (recompute preemption: its KV freed) goes back to the router's shared "
+    "queue, ahead of every request not yet started, instead of waiting in that replica's own "
+    "queue; it resumes by re-prefill wherever room comes first (the migration KV connector marks "
+    "the preemption, the client aborts the hop and acquires it again). Pair it with the router "
+    "settings kv_budget 16 and kv_reserve 512 (README: the simulator's best). Off by default: "
+    "its gain is the simulator's, not measured on an NPU cluster.", feature="rollout_rebalance")
 ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_KV_RESERVE, ROUTER_SLOTS,
                 ROUTER_LOAD,
                 ROUTER_METRICS_INTERVAL)
@@ -243,8 +256,9 @@ FEATURE.applies_through(
                  f"routes by expected work and KV room with a shared longest-first queue "
                  f"(README, section verl 0.9). Tail migration with KV (off by default): export "
                  f"ASCEND_RL_ROLLOUT_MIGRATION=planned and add the lines `ascend-rl router "
-                 f"--migration` prints: " + " ".join(migration_config_lines()[1:]) + ". The "
-                 f"in-process rebalance hooks never run there."))
+                 f"--migration` prints: " + " ".join(migration_config_lines()[1:]) + ". With it, "
+                 f"the preemption hand-back (off by default): ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED=1. "
+                 f"The in-process rebalance hooks never run there."))
 
 def register_cli(subparsers) -> None:
     """``ascend-rl router``: the verl 0.9 config line that loads the router."""

@@ -75,36 +75,44 @@ if TYPE_CHECKING:
 log = logging.getLogger("ascend_rl_plugins")
 
 PARAMS_KEY = "ascend_rl_migration"
+PREEMPTED_SUFFIX = ".preempted"
 
 
 # -- what a request carries -------------------------------------------------------------------
 @dataclass(frozen=True)
 class MigrationParams:
     """The request's ``kv_transfer_params[PARAMS_KEY]``: where its KV goes when it is aborted
-    (``export_key``) and where its KV comes from on admission (``load_key``)."""
+    (``export_key``), where its KV comes from on admission (``load_key``), and whether its
+    engine marks it in the store when its scheduler preempts it (``mark_preempted``, with an
+    ``export_key``: the preemption hand-back, :meth:`KVExportStore.mark_preempted`)."""
 
     export_key: str | None = None
     load_key: str | None = None
+    mark_preempted: bool = False
 
     def as_kv_transfer_params(self) -> dict:
         return {PARAMS_KEY: {k: v for k, v in (("export_key", self.export_key),
-                                               ("load_key", self.load_key)) if v}}
+                                               ("load_key", self.load_key),
+                                               ("mark_preempted", self.mark_preempted)) if v}}
 
     @classmethod
     def of(cls, kv_transfer_params: dict | None) -> "MigrationParams | None":
         raw = (kv_transfer_params or {}).get(PARAMS_KEY)
         if raw is None:
             return None
-        unknown = set(raw) - {"export_key", "load_key"}
+        unknown = set(raw) - {"export_key", "load_key", "mark_preempted"} if isinstance(raw, dict) else ()
         if not isinstance(raw, dict) or unknown:
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] takes the keys export_key and "
-                             f"load_key (strings), got {raw!r}")
+                             f"load_key (strings) and mark_preempted (a bool), got {raw!r}")
+        if not isinstance(raw.get("mark_preempted", False), bool):
+            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}]['mark_preempted'] must be a bool, "
+                             f"got {raw['mark_preempted']!r}")
         for key in ("export_key", "load_key"):
             value = raw.get(key)
             if value is not None and not _valid_key(value):
                 raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}][{key!r}] must be a string of "
                                  f"letters, digits, '-', '_' or '.', got {value!r}")
-        return cls(raw.get("export_key"), raw.get("load_key"))
+        return cls(raw.get("export_key"), raw.get("load_key"), raw.get("mark_preempted", False))
 
 
 def new_key() -> str:
@@ -203,6 +211,26 @@ class KVExportStore:
         return sorted(n[:-5] for n in os.listdir(self.directory)
                       if n.endswith(".json") and not n.startswith("."))
 
+    # -- preemption marks: the engine says a hop was preempted; its client hands it back ------
+    def mark_preempted(self, key: str) -> None:
+        """The hop exporting to ``key`` was preempted by its engine's scheduler (an empty
+        ``<key>.preempted``; its client reads it with :meth:`preempted_keys` and clears it)."""
+        with open(self._path(key, PREEMPTED_SUFFIX), "wb"):
+            pass
+
+    def preempted_keys(self) -> set[str]:
+        """Every export key marked preempted now: one directory listing, whatever the number
+        of hops a client watches."""
+        return {n[:-len(PREEMPTED_SUFFIX)] for n in os.listdir(self.directory)
+                if n.endswith(PREEMPTED_SUFFIX) and not n.startswith(".")}
+
+    def clear_preempted(self, key: str) -> bool:
+        try:
+            os.unlink(self._path(key, PREEMPTED_SUFFIX))
+            return True
+        except FileNotFoundError:
+            return False
+
 
 # -- connector metadata (scheduler -> worker, once per step) -------------------------------------
 @dataclass
@@ -260,6 +288,8 @@ class MigrationKVConnector(KVConnectorBase_V1):
         self._exports: dict[str, ExportJob] = {}
         self._loads: dict[str, LoadJob] = {}
         self._matched: dict[str, int] = {}   # request id -> tokens its export covers (last query)
+        # request id -> export key, of the requests asking for a preemption mark
+        self._marked_on_preemption: dict[str, str] = {}
         # worker side
         self._kv: dict[str, tuple[torch.Tensor, int]] = {}   # layer -> (tensor, block dim)
         self._sent: set[str] = set()
@@ -271,6 +301,8 @@ class MigrationKVConnector(KVConnectorBase_V1):
     # -- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         params = MigrationParams.of(request.kv_transfer_params)
+        if params is not None and params.mark_preempted and params.export_key:
+            self._marked_on_preemption[request.request_id] = params.export_key
         if params is None or not params.load_key:
             return 0, False
         try:
@@ -303,6 +335,16 @@ class MigrationKVConnector(KVConnectorBase_V1):
             local // self.block_size, total)
 
     def build_connector_meta(self, scheduler_output) -> MigrationConnectorMetadata:
+        """The step's jobs; and, for each request this step preempted that asked for it, its
+        preemption mark in the store (vLLM 0.23's ``SchedulerOutput.preempted_req_ids``: the
+        scheduler hands the step's output here once it has decided every preemption)."""
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            key = self._marked_on_preemption.get(request_id)
+            if key is not None:
+                try:
+                    self.store.mark_preempted(key)
+                except OSError as exc:  # the request just waits here, as vLLM has it
+                    log.warning("ascend-rl kv_migration: preemption mark %s failed: %s", key, exc)
         meta = MigrationConnectorMetadata(exports=list(self._exports.values()),
                                           loads=list(self._loads.values()))
         self._exports.clear()
@@ -313,6 +355,7 @@ class MigrationKVConnector(KVConnectorBase_V1):
         """An aborted request that names an ``export_key`` keeps its blocks until the worker
         has copied them out (reported by ``get_finished``)."""
         self._matched.pop(request.request_id, None)
+        self._marked_on_preemption.pop(request.request_id, None)
         params = MigrationParams.of(request.kv_transfer_params)
         if params is None or not params.export_key or request.status != RequestStatus.FINISHED_ABORTED:
             return False, None

@@ -225,6 +225,16 @@ class ExpectedWorkRouter:
             self._hand_out(self._policy.dispatch(time.monotonic()))
         return moved
 
+    def requeue_request(self, request_id: str, server_id: str, generated_tokens: int) -> bool:
+        """A migrating client hands back a request ``server_id`` preempted (the preemption
+        hand-back, ``routing.RoutingPolicy.requeue``): it leaves that replica's load, and the
+        client's next ``acquire_server`` for it queues it ahead of every request not yet
+        started. False where ``server_id`` does not hold it (the client then keeps it there)."""
+        requeued = self._policy.requeue(request_id, server_id, generated_tokens)
+        if requeued:
+            self._hand_out(self._policy.dispatch(time.monotonic()))
+        return requeued
+
     def get_all_servers(self) -> list[str]:
         return list(self._policy.replicas)
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 SIBLINGS = ("spread", "pack")
 ORDER = ("longest_first", "arrival")
 NO_SERVERS = "No available servers in load balancer"  # verl's text: its fully-async client retries on it
+REQUEUED_AHEAD = -1e12  # queue key of a handed-back request (minus its generated tokens)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ class RoutingPolicy:
         self._seq = 0
         self._started: dict[str, tuple[float, str]] = {}  # request_id -> (start, group)
         self._cancelled: set[str] = set()  # queued requests whose caller gave up
+        # request id -> tokens it had generated when its replica preempted it and its client
+        # handed it back (``requeue``), until it is bound again
+        self.requeued: dict[str, int] = {}
 
     # -- replicas ------------------------------------------------------------------------
     def add_replica(self, server_id: str, slots: int) -> None:
@@ -266,6 +270,23 @@ class RoutingPolicy:
             self.sticky[request_id] = destination
         return True
 
+    def requeue(self, request_id: str, server_id: str, generated_tokens: int) -> bool:
+        """The preemption hand-back: ``server_id`` preempted the request, and its client takes
+        it back to submit it again. It leaves that replica's books (no duration observed: it
+        did not finish) and its sticky entry (it resumes wherever room comes first: vLLM's
+        recompute preemption freed its KV, so every replica re-prefills it at the same cost),
+        and once submitted again it goes ahead of every request that never started, the
+        longest-generated first: what the pooled engine's single queue does for the requests
+        it preempts. False (nothing changed) where ``server_id`` does not hold it."""
+        replica = self.replicas.get(server_id)
+        if replica is None or request_id not in replica.inflight:
+            return False
+        start = self._started.pop(request_id, None)
+        replica.drop(request_id, start[1] if start is not None else None)
+        self.sticky.pop(request_id, None)
+        self.requeued[request_id] = max(int(generated_tokens), 0)
+        return True
+
     def dispatch(self, now: float) -> list[Dispatch]:
         """Bind queued requests, in queue order, while some replica has room for the next."""
         out = []
@@ -303,6 +324,9 @@ class RoutingPolicy:
 
     # -- internals -----------------------------------------------------------------------
     def _key(self, pending: _Pending) -> float:
+        generated = self.requeued.get(pending.request_id)
+        if generated is not None:   # ahead of every never-started request (keys >= -2 x max tokens)
+            return REQUEUED_AHEAD - generated
         if self.settings.order == "arrival":
             return 0.0
         return -self.expected_tokens(pending.prompt_tokens, pending.group)
@@ -352,6 +376,7 @@ class RoutingPolicy:
     def _bind(self, request_id: str, server_id: str, prompt_tokens: int, group: str, now: float,
               expected: float | None = None) -> None:
         replica = self.replicas[server_id]
+        self.requeued.pop(request_id, None)
         if expected is None:
             expected = self.expected_tokens(prompt_tokens, group)
         previous = replica.inflight.get(request_id)

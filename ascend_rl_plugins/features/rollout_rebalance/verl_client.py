@@ -135,6 +135,8 @@ class CurrentHop:
 
     hop_id: str            # its id at the server (what progress_on_server reports)
     tokens_before: int     # tokens the request received in earlier hops
+    replica: str = ""      # the server it runs on
+    export_key: str = ""   # where its KV goes if aborted (and its preemption mark's name)
 
 
 @dataclass
@@ -157,10 +159,13 @@ class MigrationStats:
     rounds: int = 0
     planned: int = 0              # running-request moves planned, all rounds, all clients' requests
     ordered: int = 0              # of those, this client's own, ordered (hop aborted)
-    moved: int = 0                # hops that ended aborted for a move and went on elsewhere
+    moved: int = 0                # moves carried out: the next hop started on another replica
+    moves_undone: int = 0         # moves whose destination had died before the next hop
+                                  # started, which then went on where the request already ran
     loads: int = 0                # hops started with an export to load
     finished: int = 0             # requests this client returned
     router_told: int = 0          # moves the router accepted (move_request returned True)
+    requeued: int = 0             # hops preempted by their engine and handed back to the router
     moves: list[MoveRecord] = field(default_factory=list)   # each planned move carried out
 
 
@@ -173,8 +178,18 @@ class MigratingLLMServerClient(LLMServerClient):
 
     def __init__(self, config, load_balancer_handle=None, *, replicas: dict | None = None,
                  policy: TimedMigration | PlannedMigration | None = None,
-                 store_dir: str = DEFAULT_STORE_DIR, export_timeout_s: float = 30.0, **kwargs):
+                 store_dir: str = DEFAULT_STORE_DIR, export_timeout_s: float = 30.0,
+                 requeue_preempted: bool = False, preempt_poll_s: float = 0.1, **kwargs):
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
+        if requeue_preempted and (policy is None
+                                  or not hasattr(self._load_balancer, "requeue_request")):
+            raise ValueError("requeue_preempted: the preemption hand-back needs a migration policy "
+                             "(hops with exports) and this project's router (requeue_request); "
+                             "set ASCEND_RL_ROLLOUT_MIGRATION=planned and the router line "
+                             "`ascend-rl router --migration` prints, or turn "
+                             "ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED off")
+        if preempt_poll_s <= 0:
+            raise ValueError(f"preempt_poll_s: accepted a number of seconds > 0, got {preempt_poll_s!r}")
         if policy is not None and not isinstance(policy, (TimedMigration, PlannedMigration)):
             raise ValueError(f"policy: accepted TimedMigration, PlannedMigration or None, got "
                              f"{type(policy).__name__}")
@@ -192,10 +207,15 @@ class MigratingLLMServerClient(LLMServerClient):
         self._foreign: dict[str, InFlight] = {}    # other requests on the replicas, last read
         self._orders: dict[str, MoveRecord] = {}   # request id -> the move its aborted hop makes
         self._planner: asyncio.Task | None = None
+        self.requeue_preempted = requeue_preempted
+        self.preempt_poll_s = preempt_poll_s
+        self._requeue: dict[str, str] = {}         # request id -> its preempted hop, aborted
+        self._watcher: asyncio.Task | None = None
 
     def __getstate__(self):   # pickled to every agent-loop worker before any request: no task
         state = dict(self.__dict__)
         state["_planner"] = None
+        state["_watcher"] = None
         return state
 
     @property
@@ -330,7 +350,8 @@ class MigratingLLMServerClient(LLMServerClient):
             record = self._own.get(m.request_id)
             hop = self._hop.get(m.request_id)
             if (record is None or hop is None or not record.movable or record.replica != m.source
-                    or m.request_id in self._orders or record.max_tokens - record.generated <= 1):
+                    or m.request_id in self._orders or m.request_id in self._requeue
+                    or record.max_tokens - record.generated <= 1):
                 continue
             self._orders[m.request_id] = MoveRecord(m.request_id, m.source, m.destination,
                                                     hop.tokens_before, record.generated)
@@ -342,6 +363,48 @@ class MigratingLLMServerClient(LLMServerClient):
             except Exception as exc:  # noqa: BLE001 - the source died: its hop fails over by itself
                 log.warning("ascend-rl migration: abort of %s at %s: %s", m.request_id, m.source, exc)
         return ordered
+
+    def _start_watcher(self) -> None:
+        if self.requeue_preempted and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_preemptions())
+
+    async def _watch_preemptions(self) -> None:
+        """The preemption hand-back's trigger: every ``preempt_poll_s`` while this client has
+        hops in flight, one listing of the store's preemption marks (the replicas'
+        ``MigrationKVConnector`` writes one for each hop its scheduler preempts); each of this
+        client's hops marked is aborted at its replica, and ``_hops`` hands the request back
+        to the router instead of leaving it in that replica's own queue."""
+        while self._hop:
+            await asyncio.sleep(self.preempt_poll_s)
+            try:
+                marked = self.store.preempted_keys()
+            except OSError as exc:
+                log.warning("ascend-rl migration: reading preemption marks: %s", exc)
+                continue
+            for request_id, hop in list(self._hop.items()):
+                if (hop.export_key not in marked or request_id in self._requeue
+                        or request_id in self._orders):
+                    continue
+                self._requeue[request_id] = hop.hop_id
+                try:
+                    await self.replicas[hop.replica].__ray_call__.remote(_abort_on_server, hop.hop_id)
+                except Exception as exc:  # noqa: BLE001 - the replica died: the hop fails over
+                    log.warning("ascend-rl migration: abort of preempted %s at %s: %s",
+                                request_id, hop.replica, exc)
+
+    async def _requeue_at_router(self, request_id: str, held: list, prompt_ids: list,
+                                 tokens: list, sampling_params: dict) -> str | None:
+        """Hand a preempted request back to the router and acquire it again: the replica the
+        router binds it to (the next hop re-prefills there, or loads an export it holds), or
+        None where the router does not hold it where ``held`` says (it stays there)."""
+        if not await self._load_balancer.requeue_request.remote(request_id, held[0], len(tokens)):
+            return None
+        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids + tokens,
+                                                  sampling_params=sampling_params)
+        held[0] = server_id
+        if server_id not in self.replicas:
+            await self._refresh_replicas()
+        return server_id
 
     async def _hops(self, request_id: str, replica: str, prompt_ids: list, sampling_params: dict,
                     kwargs: dict, held: list):
@@ -357,6 +420,8 @@ class MigratingLLMServerClient(LLMServerClient):
         load_key: str | None = None
         load_source: str | None = None
         moves = 0
+        move_pending = False   # the last hop ended aborted for a move
+        ran_on: str | None = None   # the replica the last hop ran on
         store = self.store
         planned = isinstance(self.policy, PlannedMigration)
         record = InFlight(request_id, replica, len(prompt_ids), 0, budget, movable=True)
@@ -366,18 +431,29 @@ class MigratingLLMServerClient(LLMServerClient):
         while True:
             if replica in self.dead or replica not in self.replicas:
                 replica = self._pick(prefer=load_source)
+            if move_pending:
+                # counted where the request really changes replica: with the destination dead
+                # already, _pick may send it back where it ran, which is no move (and nothing
+                # to tell the router)
+                if replica != ran_on:
+                    self.stats.moved += 1
+                else:
+                    self.stats.moves_undone += 1
+            move_pending, ran_on = False, replica
             await self._tell_router(request_id, held, replica)
             server = self.replicas[replica]
             hop_id = uuid4().hex
             export_key = new_key()
             record.replica, record.generated = replica, len(tokens)
-            self._hop[request_id] = CurrentHop(hop_id, len(tokens))
+            self._hop[request_id] = CurrentHop(hop_id, len(tokens), replica, export_key)
+            self._start_watcher()
             if load_key is not None:
                 self.stats.loads += 1
             call = server.generate.remote(
                 request_id=hop_id, prompt_ids=prompt_ids + tokens,
                 sampling_params=dict(sampling_params, max_tokens=budget - len(tokens)),
-                kv_transfer_params=MigrationParams(export_key, load_key).as_kv_transfer_params(),
+                kv_transfer_params=MigrationParams(
+                    export_key, load_key, mark_preempted=self.requeue_preempted).as_kv_transfer_params(),
                 **kwargs)
             running = asyncio.ensure_future(_resolve(call))
             order: MoveRecord | None = None
@@ -395,6 +471,9 @@ class MigratingLLMServerClient(LLMServerClient):
                 out = await running
             except Exception as exc:  # noqa: BLE001 - replica death or the request's own error
                 self._orders.pop(request_id, None)
+                self._requeue.pop(request_id, None)
+                if self.requeue_preempted:
+                    store.clear_preempted(export_key)
                 if await self._alive(replica):
                     if load_key is not None:
                         store.delete(load_key)
@@ -409,10 +488,28 @@ class MigratingLLMServerClient(LLMServerClient):
                 self._hop.pop(request_id, None)
                 order = self._orders.pop(request_id, None)
                 destination = order.destination if order is not None else None
+            # the watcher aborted this very hop (not an earlier one that had ended meanwhile)
+            handed_back = self._requeue.get(request_id) == hop_id
+            if self.requeue_preempted:
+                self._hop.pop(request_id, None)
+                self._requeue.pop(request_id, None)
+                store.clear_preempted(export_key)
             tokens += list(out.token_ids)
             if out.log_probs is not None:
                 log_probs += list(out.log_probs)
             aborted = out.stop_reason in ("aborted", "abort")
+            if aborted and handed_back and destination is None and len(tokens) < budget:
+                # preempted at ``replica``: back to the router's queue, on where it binds it,
+                # from the export the abort wrote (empty where it still waited: a re-prefill)
+                self.stats.requeued += 1
+                found = await _wait_export(store, export_key, self.export_timeout_s,
+                                           source_alive=lambda source=replica: self._alive(source))
+                load_key, load_source = _keep_fuller(store, load_key, load_source,
+                                                     export_key if found else None, replica)
+                bound = await self._requeue_at_router(request_id, held, prompt_ids, tokens,
+                                                      sampling_params)
+                replica = bound if bound is not None else replica   # a hand-back, not a move
+                continue
             if not (aborted and destination is not None) or len(tokens) >= budget:
                 if aborted:   # aborted by verl (or late): the engine core may still hold it
                     asyncio.ensure_future(_drop_when_written(
@@ -426,7 +523,7 @@ class MigratingLLMServerClient(LLMServerClient):
                 self.stats.finished += 1
                 return out
             moves += 1
-            self.stats.moved += 1
+            move_pending = True
             found = await _wait_export(store, export_key, self.export_timeout_s,
                                        source_alive=lambda source=replica: self._alive(source))
             load_key, load_source = _keep_fuller(store, load_key, load_source,

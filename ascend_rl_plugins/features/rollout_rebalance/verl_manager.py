@@ -82,11 +82,15 @@ def migrating_client(config, llm_client: Any, policy: Any = "flags"):
     setup cannot migrate."""
     from verl.workers.rollout.llm_server import LLMServerClient
 
-    from . import router_yaml_path
+    from . import REQUEUE_PREEMPTED, router_yaml_path
     from .migration_client import FROM_FLAGS, policy_from_flags
     from .verl_client import MigratingLLMServerClient
     if policy == FROM_FLAGS:
         policy = policy_from_flags()
+    if policy is None and REQUEUE_PREEMPTED.value:
+        raise ValueError("ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED=1 needs ASCEND_RL_ROLLOUT_MIGRATION="
+                         "planned (the hand-back runs in the migrating client, through the "
+                         "migration KV connector): set it, or turn the hand-back off")
     if policy is None:
         log.info("ascend-rl migration: ASCEND_RL_ROLLOUT_MIGRATION=off, verl's rollout client "
                  "unchanged")
@@ -103,8 +107,13 @@ def migrating_client(config, llm_client: Any, policy: Any = "flags"):
             "ASCEND_RL_ROLLOUT_MIGRATION=planned needs this project's router (it hands out the "
             "replicas and follows moves): add `actor_rollout_ref.rollout.router_config_path="
             f"{router_yaml_path()}`")
+    if REQUEUE_PREEMPTED.value and not hasattr(router, "requeue_request"):
+        raise ValueError("ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED=1 needs this project's router (it "
+                         "takes handed-back requests): add `actor_rollout_ref.rollout."
+                         f"router_config_path={router_yaml_path()}`")
     return MigratingLLMServerClient(config=config, load_balancer_handle=router, policy=policy,
-                                    store_dir=store_dir_from_config(config))
+                                    store_dir=store_dir_from_config(config),
+                                    requeue_preempted=REQUEUE_PREEMPTED.value)
 
 
 class MigratingAgentLoopManager:

@@ -27,6 +27,23 @@ def test_params_round_trip_and_bad_values_name_the_key(km):
         km.MigrationParams.of({km.PARAMS_KEY: {"export": "x"}})
     with pytest.raises(ValueError, match="'load_key'"):
         km.MigrationParams.of({km.PARAMS_KEY: {"load_key": "../etc/passwd"}})
+    marked = km.MigrationParams(export_key="abc", mark_preempted=True)
+    assert km.MigrationParams.of(marked.as_kv_transfer_params()) == marked
+    assert "mark_preempted" not in p.as_kv_transfer_params()[km.PARAMS_KEY]   # off: not sent
+    with pytest.raises(ValueError, match="'mark_preempted'.*bool"):
+        km.MigrationParams.of({km.PARAMS_KEY: {"export_key": "abc", "mark_preempted": "yes"}})
+
+
+def test_preemption_marks_are_listed_in_one_read_and_cleared(km, tmp_path):
+    store = km.KVExportStore(str(tmp_path))
+    assert store.preempted_keys() == set() and not store.clear_preempted("k1")
+    store.mark_preempted("k1")
+    store.mark_preempted("k2")
+    store.mark_preempted("k1")   # preempted again before its client read it: one mark
+    assert store.preempted_keys() == {"k1", "k2"} and store.keys() == []   # not exports
+    assert store.clear_preempted("k1") and store.preempted_keys() == {"k2"}
+    with pytest.raises(ValueError, match="bad export key"):
+        store.mark_preempted("../x")
 
 
 def test_store_is_atomic_and_releases(km, tmp_path):
@@ -272,3 +289,19 @@ def test_a_moved_hop_keeps_the_fuller_export_and_drops_the_other(km, tmp_path):
     assert store.keys() == ["new"]
     assert _keep_fuller(store, "new", "B", None, "A") == ("new", "B")   # no export appeared
     assert _keep_fuller(store, None, None, "new", "A") == ("new", "A")
+
+
+@pytest.mark.engine
+def test_the_connector_marks_exactly_the_preempted_requests_that_ask(tmp_path):
+    """A real vLLM 0.23 engine on a KV cache too small for its requests: the connector marks
+    each preempted request that asked (``mark_preempted``), from the scheduler's own list of
+    the step's preemptions, and no other; outputs unchanged."""
+    from tests.features.rollout_rebalance.preemption_scenario import LENGTHS, PreemptionMarks
+    from tests.support.child import ENGINE_ENV, GREEDY_ENGINE_ENV, run_scenario
+    got = run_scenario("tests.features.rollout_rebalance.preemption_scenario", "connector_marks",
+                       str(tmp_path), env=dict(ENGINE_ENV, **GREEDY_ENGINE_ENV), timeout=600,
+                       returns=PreemptionMarks)
+    asked, preempted = set(got.asked), set(got.preempted)
+    assert preempted & asked and preempted - asked, got   # or the scenario has no teeth
+    assert got.marked == sorted(preempted & asked), got
+    assert got.exports == [] and got.lengths == LENGTHS and got.tokens_match_unmarked_run, got

@@ -121,6 +121,37 @@ def test_manager_checks_name_the_line_to_add(monkeypatch):
 
 
 @verl_09
+def test_the_hand_back_flag_is_refused_without_migration_or_this_router(monkeypatch):
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    from ascend_rl_plugins import flags
+    from ascend_rl_plugins.features.rollout_rebalance import verl_manager
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import PlannedMigration
+    from ascend_rl_plugins.features.rollout_rebalance.router import ExpectedWorkRouter
+
+    class MovesOnly:   # a router that follows moves but takes no hand-back
+        move_request = get_server_handles = ExpectedWorkRouter.move_request
+
+    monkeypatch.setenv("ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED", "maybe")
+    flags.reset_cache()
+    with pytest.raises(flags.FlagError, match="ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED"):
+        rr.REQUEUE_PREEMPTED.value
+    monkeypatch.setenv("ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED", "1")
+    flags.reset_cache()
+    try:
+        config = _trainer_config(rr.migration_config_lines())
+        with pytest.raises(ValueError, match="REQUEUE_PREEMPTED=1 needs ASCEND_RL_ROLLOUT_MIGRATION=planned"):
+            verl_manager.migrating_client(config, LLMServerClient(config, load_balancer_handle=object()),
+                                          policy=None)
+        client = LLMServerClient(config, load_balancer_handle=MovesOnly())
+        with pytest.raises(ValueError, match="REQUEUE_PREEMPTED=1 needs this project's router"):
+            verl_manager.migrating_client(config, client, policy=PlannedMigration(1.0))
+    finally:
+        monkeypatch.delenv("ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED")
+        flags.reset_cache()
+
+
+@verl_09
 def test_verl_trainers_load_the_manager_class_from_the_config_key():
     """The seam: both verl 0.9.1 trainers build the agent-loop manager from
     ``rollout.agent.agent_loop_manager_class`` when set, passing the client they built."""

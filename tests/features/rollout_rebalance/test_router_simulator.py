@@ -167,10 +167,10 @@ def test_the_router_learns_past_steps_from_a_simulated_step_in_the_same_units():
     assert router.policy.lengths.observed == len(warm.length)
 
 
-def test_the_requeue_what_if_hands_every_preempted_request_back_once_and_loses_none():
-    """The what-if "preempted requests back to the router's queue" (NOT shipped): every request
-    a replica preempts leaves it (it is not put back in that replica's own queue), comes back
-    through the router, and still finishes exactly once; the router's books
+def test_the_hand_back_returns_every_preempted_request_once_and_loses_none():
+    """The preemption hand-back (``RoutingPolicy.requeue``, as the shipped client drives it):
+    every request a replica preempts leaves it (it is not put back in that replica's own
+    queue), comes back through the router, and still finishes exactly once; the router's books
     are empty at the end. With the router admitting on the KV in use (``REQUEUE_SETTINGS``) the
     small 235B workload preempts, so the path is exercised."""
     w = SMALL["qwen3-235b-32k-grpo"]

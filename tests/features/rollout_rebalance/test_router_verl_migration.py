@@ -44,7 +44,8 @@ def runs(verl_rollouts):
 def summary(runs) -> dict:
     """The figures the README quotes."""
     return {name: {"replicas": getattr(runs, name).replicas, "exports_left": getattr(runs, name).exports_left,
-                   "moved": getattr(runs, name).moved, "router_told": getattr(runs, name).router_told}
+                   "moved": getattr(runs, name).moved, "router_told": getattr(runs, name).router_told,
+                   "moves_undone": getattr(runs, name).moves_undone}
             for name in ("reference", "moved", "destination_dies")} | {"errored": runs.errored}
 
 
@@ -73,6 +74,7 @@ def test_migration_forced_on_gives_identical_responses_and_log_probs(runs):
     assert moved.exports_left == [], moved
     # every move was told to the router, and each request left its books once, where it ended
     assert moved.router_told == moved.moved > 0 and moved.router_inflight_after == 0, moved
+    assert moved.moves_undone == 0, moved   # no replica died
 
 
 def test_replica_dying_mid_migration_loses_no_request(runs):
@@ -85,5 +87,7 @@ def test_replica_dying_mid_migration_loses_no_request(runs):
     # the survivor finished what it ran; the dead replica's counters may be unreadable
     assert dies.replicas[live[0]].finished >= 1, dies.replicas
     assert dies.exports_left == [], dies
-    # every move told, and so is every failover to the survivor (not a move)
+    # every move told, and so is every failover to the survivor (not a move); a move ordered
+    # to the replica after it had died is undone (the request went on where it ran): neither
+    # a move nor told
     assert dies.router_told >= dies.moved and dies.router_inflight_after == 0, dies

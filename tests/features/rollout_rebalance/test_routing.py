@@ -143,6 +143,39 @@ def test_a_cancelled_caller_is_never_bound():
     assert policy.dispatch(now=1.0) == [] and policy.queued == 0
 
 
+def test_a_handed_back_request_leaves_its_replica_and_its_sticky_entry():
+    """The preemption hand-back: off the preempting replica's books and out of its sticky entry
+    (resubmitted, it is not routed straight back there); refused where the replica named does
+    not hold it."""
+    policy = _policy(n=2, slots=1)
+    a = policy.submit("a", 10, "ga", now=0.0)[0].server_id
+    b = policy.submit("b", 10, "gb", now=0.0)[0].server_id
+    assert a != b
+    assert not policy.requeue("a", b, 5) and policy.replicas[a].inflight and policy.requeued == {}
+    assert policy.requeue("a", a, 40)
+    assert "a" not in policy.sticky and not policy.replicas[a].inflight and policy.requeued == {"a": 40}
+    assert policy.inflight() == 1
+
+
+def test_handed_back_requests_go_ahead_of_every_unstarted_one_longest_generated_first():
+    policy = _policy(n=1, slots=1)
+    for rid, generated in (("x", 3), ("y", 30)):   # each bound once, then preempted and handed back
+        policy.submit(rid, 10, f"g{rid}", now=0.0)
+        assert policy.requeue(rid, "s0", generated)
+    policy.submit("busy", 10, "gb", now=0.0)
+    for rid, prompt in (("never", 900), ("x", 13), ("y", 40)):   # the longest expected first...
+        assert policy.submit(rid, prompt, f"g{rid}", now=1.0) == []
+    order = []
+    policy.release("s0", "busy", now=2.0)
+    for t in range(3, 6):
+        bound = policy.dispatch(now=float(t))
+        order += _ids(bound)
+        for d in bound:
+            policy.release(d.server_id, d.request_id, now=float(t))
+    assert order == ["y", "x", "never"], order   # ...but after the handed-back ones
+    assert policy.requeued == {} and policy.inflight() == 0 and policy.queued == 0
+
+
 @hsettings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["submit", "release", "report"]), st.integers(0, 9),
                           st.integers(1, 400)), min_size=1, max_size=80),

@@ -12,6 +12,8 @@ on this CPU) and makes three rollouts on them: verl's own client (the router che
 ``test_router_verl_rollout`` read this one), then the two migrating ones of
 ``test_router_verl_migration``. The servers load the migration connector (the fault-injecting
 subclass, inert until armed) through ``rollout.engine_kwargs.vllm.kv_transfer_config``.
+``grpo_requeue_rollouts`` starts its own two servers, with a KV cache too small for their
+requests (the preemption hand-back of ``test_router_verl_requeue``).
 
 Ray is started with logical GPUs: verl 0.9.1 takes this CPU host for a CUDA one and asks Ray
 for "GPU" bundles; the bundles only reserve a slot, vLLM's CPU platform ignores the device
@@ -124,12 +126,26 @@ def _metric(address: str, name: str) -> dict:
 class ReplicaCounts:
     finished: float           # vllm:request_success_total
     kv_loaded_tokens: float   # vllm:external_prefix_cache_hits_total
+    preempted: float = 0.0    # vllm:num_preemptions_total
 
 
-def _moves(worker) -> tuple[int, int]:
-    """Inside an agent-loop worker: its client's moves and the moves its router accepted."""
+@dataclass
+class ClientCounts:
+    """One agent-loop worker's migrating client, as its ``MigrationStats`` has it (zeros with
+    verl's own client)."""
+
+    moved: int = 0
+    router_told: int = 0
+    moves_undone: int = 0
+    requeued: int = 0
+
+
+def _moves(worker) -> ClientCounts:
+    """Inside an agent-loop worker: what its client counted."""
     stats = getattr(worker.llm_client, "stats", None)
-    return (stats.moved, stats.router_told) if stats is not None else (0, 0)
+    if stats is None:
+        return ClientCounts()
+    return ClientCounts(stats.moved, stats.router_told, stats.moves_undone, stats.requeued)
 
 
 def _counts(address: str) -> ReplicaCounts | None:
@@ -139,15 +155,18 @@ def _counts(address: str) -> ReplicaCounts | None:
     try:
         success = _metric(address, "vllm:request_success_total")
         external = _metric(address, "vllm:external_prefix_cache_hits_total")
+        preempted = _metric(address, "vllm:num_preemptions_total")
     except Exception:  # noqa: BLE001 - a dead replica's server
         return None
-    return ReplicaCounts(finished=sum(success.values()), kv_loaded_tokens=sum(external.values()))
+    return ReplicaCounts(finished=sum(success.values()), kv_loaded_tokens=sum(external.values()),
+                         preempted=sum(preempted.values()))
 
 
 def _delta(before: dict, after: dict) -> dict:
     return {a: (None if after[a] is None or before[a] is None else
                 ReplicaCounts(finished=after[a].finished - before[a].finished,
-                              kv_loaded_tokens=after[a].kv_loaded_tokens - before[a].kv_loaded_tokens))
+                              kv_loaded_tokens=after[a].kv_loaded_tokens - before[a].kv_loaded_tokens,
+                              preempted=after[a].preempted - before[a].preempted))
             for a in after}
 
 
@@ -161,8 +180,10 @@ class Rollout:
     replicas: dict[str, ReplicaCounts | None]   # per server address, counted over this rollout
     exports_left: list[str]
     router_inflight_after: int   # requests the router still counts in flight after the rollout
-    moved: int                   # hops the migrating clients moved (0 with verl's client)
+    moved: int                   # moves the migrating clients carried out (0 with verl's client)
     router_told: int             # moves the router accepted (move_request)
+    moves_undone: int            # moves whose destination had died before the hop started
+    requeued: int = 0            # hops preempted and handed back to the router (hand-back on)
 
 
 @dataclass
@@ -174,6 +195,39 @@ class Rollouts:
     errored: dict[str, bool]    # per server address after the fault run
     marker_consumed: bool       # a replica took the fault marker (received a KV load)
     seconds: dict[str, float]   # per phase (Ray and servers start, each rollout): where the time went
+
+
+def _start_ray(extra_env: dict | None = None) -> None:
+    """Ray local, with logical GPUs (module docstring); every Ray worker gets this process's
+    engine environment (and ``extra_env``)."""
+    import ray
+    env = {k: os.environ[k] for k in (
+        "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
+        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND", "TORCH_COMPILE_DISABLE") if k in os.environ}
+    ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {**env, **(extra_env or {})}})
+
+
+def _rollout(config, client, servers, addresses: list, prompts: int, n: int, store_dir: str) -> Rollout:
+    """One GRPO batch through verl's ``AgentLoopManager`` with ``client``, counted."""
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
+    manager = AgentLoopManager.create(config, llm_client=client)
+    before = {a: _counts(a) for a in addresses}
+    output = manager.generate_sequences(_batch(prompts, n))
+    after = {a: _counts(a) for a in addresses}
+    mask = output.batch["response_mask"].tolist()
+    counts = [ray.get(w.__ray_call__.remote(_moves)) for w in manager.agent_loop_workers]
+    return Rollout(responses=output.batch["responses"].tolist(),
+                   log_probs=output.batch["rollout_log_probs"].tolist(),
+                   lengths=[int(sum(m)) for m in mask], replicas=_delta(before, after),
+                   exports_left=kv_migration.KVExportStore(store_dir).keys(),
+                   router_inflight_after=ray.get(servers.global_load_balancer.get_total_inflight.remote()),
+                   moved=sum(c.moved for c in counts), router_told=sum(c.router_told for c in counts),
+                   moves_undone=sum(c.moves_undone for c in counts),
+                   requeued=sum(c.requeued for c in counts))
 
 
 def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int,
@@ -192,15 +246,9 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
     from tests.features.rollout_rebalance import kv_migration_faults as faults
     clock = PhaseClock()
     marker = os.path.join(store_dir, "die-on-next-load")
-    env = {k: os.environ[k] for k in (
-        "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_LOGGING_LEVEL",
-        "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND", "TORCH_COMPILE_DISABLE") if k in os.environ}
-    env[faults.DIE_MARKER_ENV] = marker
-    ray.init(num_cpus=8, num_gpus=REPLICAS, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": env})
+    _start_ray({faults.DIE_MARKER_ENV: marker})
     clock.lap("start Ray")
     try:
-        from verl.experimental.agent_loop.agent_loop import AgentLoopManager
         from verl.workers.rollout.llm_server import LLMServerManager
 
         from ascend_rl_plugins.features.rollout_rebalance.verl_client import (
@@ -218,18 +266,7 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
         clock.lap("start two vLLM servers and the router")
 
         def rollout(client) -> Rollout:
-            manager = AgentLoopManager.create(config, llm_client=client)
-            before = {a: _counts(a) for a in addresses}
-            output = manager.generate_sequences(_batch(prompts, n))
-            after = {a: _counts(a) for a in addresses}
-            mask = output.batch["response_mask"].tolist()
-            moves = [ray.get(w.__ray_call__.remote(_moves)) for w in manager.agent_loop_workers]
-            return Rollout(responses=output.batch["responses"].tolist(),
-                           log_probs=output.batch["rollout_log_probs"].tolist(),
-                           lengths=[int(sum(m)) for m in mask], replicas=_delta(before, after),
-                           exports_left=kv_migration.KVExportStore(store_dir).keys(),
-                           router_inflight_after=ray.get(servers.global_load_balancer.get_total_inflight.remote()),
-                           moved=sum(m for m, _ in moves), router_told=sum(t for _, t in moves))
+            return _rollout(config, client, servers, addresses, prompts, n, store_dir)
 
         reference = rollout(servers.get_client())
         router = _router_record(servers.global_load_balancer)
@@ -245,5 +282,68 @@ def grpo_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_to
         clock.lap("fault rollout")
         return Rollouts(reference=reference, router=router, moved=moved, destination_dies=dies,
                         errored=errored, marker_consumed=not os.path.exists(marker), seconds=clock.seconds)
+    finally:
+        ray.shutdown()
+
+
+# the preemption hand-back scenario: a GRPO batch of 2 prompts x n=4 on two replicas whose KV
+# cache holds REQUEUE_BLOCKS blocks (vLLM's CPU block: 128 tokens). Each request (~25 prompt
+# tokens + REQUEUE_TOKENS) starts in one block and needs a second one at its 128th token, so
+# the three a replica admits outgrow its cache and vLLM preempts; one request fits alone
+REQUEUE_BLOCKS = 3
+REQUEUE_PROMPTS, REQUEUE_TOKENS = 2, 180
+REQUEUE_ROUTER = {"kv_budget": 16, "kv_reserve": 0}   # admit on slots only: let vLLM preempt
+
+
+@dataclass
+class RequeueRollouts:
+    reference: Rollout     # verl's own client: each replica preempts into its own queue
+    requeued: Rollout      # MigratingLLMServerClient, hand-back on (no moves)
+    marks_left: list[str]  # preemption marks still in the store afterwards
+    kv_capacity_tokens: dict[str, int]   # per server, as the router read its /metrics
+    seconds: dict[str, float]
+
+
+def grpo_requeue_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int,
+                          store_dir: str) -> RequeueRollouts:
+    """Two rollouts of one GRPO batch on two vLLM replicas with a KV cache too small for their
+    running requests (both load the migration connector): verl's own client, then
+    ``MigratingLLMServerClient`` with the preemption hand-back on and no moves
+    (``TimedMigration(max_moves=0)``): each preempted hop is marked by the connector, aborted by
+    the client and acquired again from the router, which binds it ahead of the queue."""
+    import json
+
+    import ray
+
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
+    clock = PhaseClock()
+    _start_ray()
+    clock.lap("start Ray")
+    try:
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        from ascend_rl_plugins.features.rollout_rebalance.verl_client import (
+            MigratingLLMServerClient,
+            TimedMigration,
+        )
+        config = _config(model_dir, router_yaml, n, max_tokens, engine_kwargs={
+            "kv_transfer_config": json.dumps(kv_migration.kv_transfer_config(store_dir)),
+            "num_gpu_blocks_override": REQUEUE_BLOCKS})
+        servers = LLMServerManager.create(config)
+        addresses = servers.get_addresses()
+        handles = {r.server_address: r.server_handle for r in servers.get_replicas()}
+        clock.lap("start two small-KV vLLM servers and the router")
+        reference = _rollout(config, servers.get_client(), servers, addresses, prompts, n, store_dir)
+        clock.lap("reference rollout")
+        client = servers.get_client(client_cls=MigratingLLMServerClient, replicas=handles,
+                                    policy=TimedMigration(after_s=3600.0, max_moves=0),
+                                    store_dir=store_dir, requeue_preempted=True)
+        requeued = _rollout(config, client, servers, addresses, prompts, n, store_dir)
+        clock.lap("hand-back rollout")
+        status = ray.get(servers.global_load_balancer.get_status.remote())
+        return RequeueRollouts(reference=reference, requeued=requeued,
+                               marks_left=sorted(kv_migration.KVExportStore(store_dir).preempted_keys()),
+                               kv_capacity_tokens={a: kv["capacity_tokens"] for a, kv in status["kv"].items()},
+                               seconds=clock.seconds)
     finally:
         ray.shutdown()
