@@ -202,16 +202,6 @@ class Replica:
         self.time = 0.0  # at ``step``
         self.finishing: list = []  # (finish step, rid)
         self.version = 0
-        # vLLM's priority scheduling (``Policy.priority_scheduling``): per request its
-        # (priority, arrival time here, order), priority = minus the tokens it generated before
-        # this hop (what the client would pass); a preempted request keeps its key
-        self.keys: dict[int, tuple] = {}
-
-    def arrived(self, rid: int, gen: int) -> None:
-        """``rid`` arrives here now, ``gen`` tokens generated before (a new hop in vLLM)."""
-        if self.sim.priority_scheduling:
-            self.sim.seq += 1
-            self.keys[rid] = (-gen, self.sim.now, self.sim.seq)
 
     # -- time ------------------------------------------------------------------------------
     def _base(self) -> float:
@@ -269,11 +259,8 @@ class Replica:
         self.step += k
 
     def admit(self) -> None:
-        """vLLM's scheduler: FIFO (priority scheduling: lowest (priority, arrival) first)
-        while a slot is free and the tokens fit; prefill stalls."""
+        """vLLM's scheduler: FIFO while a slot is free and the tokens fit; prefill stalls."""
         tokens = 0
-        if self.sim.priority_scheduling and len(self.waiting) > 1:
-            self.waiting = deque(sorted(self.waiting, key=lambda x: self.keys[x[0]]))
         while self.waiting and len(self.running) < self.slots:
             rid, gen = self.waiting[0]
             p = int(self.sim.req.prompt[rid])
@@ -315,10 +302,7 @@ class Replica:
                 done.append(rid)
         handed_back = []
         while self.running and self.context() > self.kv:
-            # vLLM: FCFS preempts the request admitted last; priority scheduling the largest
-            # (priority, arrival time)
-            rid = (max(self.running, key=self.keys.__getitem__) if self.sim.priority_scheduling
-                   else next(reversed(self.running)))
+            rid = next(reversed(self.running))
             if self.sim.policy.takes_preempted:  # what-if: back to the router's shared queue
                 handed_back.append((rid, self.stop(rid)))
             else:  # vLLM: back to the head of this replica's own queue
@@ -341,7 +325,6 @@ class Simulation:
     def __init__(self, w: Workload, policy: "Policy", pooled: bool = False):
         self.w = w
         self.policy = policy
-        self.priority_scheduling = policy.priority_scheduling
         self.replicas = [Replica(self, 0, scale=w.replicas)] if pooled else [
             Replica(self, i) for i in range(w.replicas)]
         self.tally = Tally()
@@ -382,7 +365,6 @@ class Simulation:
         r = self.replicas[r_index]
         self.sync(r, self.now)
         self.where[rid] = r_index
-        r.arrived(rid, gen)
         if front:
             r.waiting.appendleft((rid, gen))
         else:
@@ -409,7 +391,6 @@ class Simulation:
                 rid, gen, index = data
                 r = self.replicas[index]
                 self.sync(r, self.now)
-                r.arrived(rid, gen)
                 r._start(rid, gen)
                 self.in_transit -= 1
                 self.schedule(r)
@@ -447,7 +428,6 @@ class Simulation:
 class Policy:
     check_every: float = 0.0
     takes_preempted: bool = False  # True: a preempted request goes to ``preempted``, not the replica's queue
-    priority_scheduling: bool = False  # True: the replicas run vLLM's priority scheduling
 
     def begin(self, sim: Simulation, req: Requests, start: float) -> None:
         if self.check_every:
@@ -567,12 +547,8 @@ class ThisRouter(Policy):
     def __init__(self, settings: routing.RouterSettings, metrics_interval: float = 1.0,
                  migrate_every: float = 0.0, tail: tail_policy.TailSettings | None = None,
                  controller: str = "client", tell_router: bool = True, oracle_order: bool = False,
-                 requeue_preempted: bool = False, group_order: bool = False,
-                 protect_moved: bool = False):
+                 requeue_preempted: bool = False, group_order: bool = False):
         self.tell_router = tell_router
-        # what-if: vLLM's priority scheduling on the replicas, each hop submitted with priority
-        # minus the tokens generated before it (a moved request is no longer the first victim)
-        self.priority_scheduling = protect_moved
         self.oracle_order = oracle_order
         if controller not in CONTROLLERS:
             raise ValueError(f"controller={controller!r}: accepted {', '.join(CONTROLLERS)}")
@@ -624,7 +600,6 @@ class ThisRouter(Policy):
         step's (no false multi-turn stickiness)."""
         earlier = ThisRouter(self.policy.settings, self.check_every)
         earlier.takes_preempted = self.takes_preempted  # the earlier step ran the same system
-        earlier.priority_scheduling = self.priority_scheduling
         earlier.policy, earlier.batch = self.policy, -1000
         Simulation(w, earlier).run_batch(previous_step(w, req), 0.0)
         self.gen_sum, self.gen_count = earlier.gen_sum, earlier.gen_count
@@ -733,7 +708,6 @@ class ThisRouter(Policy):
             if m.method == "queued":
                 gen = next(g for x, g in src.waiting if x == rid)
                 src.waiting.remove((rid, gen))
-                dst.arrived(rid, gen)
                 dst.waiting.append((rid, gen))
                 dst.admit()
             else:
@@ -745,7 +719,6 @@ class ThisRouter(Policy):
                     sim.in_transit += 1
                     sim.push(sim.now + m.cost_s, "land", (rid, gen, dst.index))
                 else:
-                    dst.arrived(rid, gen)
                     dst.waiting.appendleft((rid, gen))
                     dst.admit()
             sim.where[rid] = dst.index  # the router is not told (as in verl): its books keep src
