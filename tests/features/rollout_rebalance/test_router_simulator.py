@@ -20,7 +20,10 @@ DEFAULTS = routing.RouterSettings()
 
 
 def _policies(w):
-    return bench.policies(w, DEFAULTS)
+    """Every policy of the table; the hand-back only where something is preempted (the 235B
+    workload: on DAPO and 8K math it runs exactly as migration without it, and costs as much)."""
+    return [p for p in bench.policies(w, DEFAULTS)
+            if p[0] != bench.HAND_BACK or w.name == "qwen3-235b-32k-grpo"]
 
 
 @pytest.mark.parametrize("key", sorted(SMALL))
@@ -53,6 +56,8 @@ def test_migration_and_pooling_never_lose_to_verls_router_on_the_small_workloads
         assert rows["this router + KV migration (simulated)"][0] <= lif, key
         assert rows["pooled engine (reference)"][0] <= lif, key
         assert rows["this router + KV migration (simulated)"][1].moved_kv > 0, key
+        if bench.HAND_BACK in rows:
+            assert rows[bench.HAND_BACK][0] <= lif and rows[bench.HAND_BACK][1].requeued > 0, key
 
 
 def test_no_policy_beats_the_models_lower_bounds_and_no_kv_is_left_on_the_link():
