@@ -392,15 +392,25 @@ class MigratingLLMServerClient(LLMServerClient):
                     log.warning("ascend-rl migration: abort of preempted %s at %s: %s",
                                 request_id, hop.replica, exc)
 
+    async def _next_load(self, store: KVExportStore, export_key: str, replica: str,
+                         load_key: str | None, load_source: str | None) -> tuple:
+        """After a hop at ``replica`` ended aborted (a move or a hand-back): wait for its export
+        and keep the fuller of it and ``load_key``. Returns the next hop's (load key, its
+        source, whether the export appeared)."""
+        found = await _wait_export(store, export_key, self.export_timeout_s,
+                                   source_alive=lambda: self._alive(replica))
+        load_key, load_source = _keep_fuller(store, load_key, load_source,
+                                             export_key if found else None, replica)
+        return load_key, load_source, found
+
     async def _requeue_at_router(self, request_id: str, held: list, prompt_ids: list,
-                                 tokens: list, sampling_params: dict) -> str | None:
+                                 tokens: list) -> str | None:
         """Hand a preempted request back to the router and acquire it again: the replica the
         router binds it to (the next hop re-prefills there, or loads an export it holds), or
         None where the router does not hold it where ``held`` says (it stays there)."""
         if not await self._load_balancer.requeue_request.remote(request_id, held[0], len(tokens)):
             return None
-        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids + tokens,
-                                                  sampling_params=sampling_params)
+        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids + tokens)
         held[0] = server_id
         if server_id not in self.replicas:
             await self._refresh_replicas()
@@ -502,12 +512,9 @@ class MigratingLLMServerClient(LLMServerClient):
                 # preempted at ``replica``: back to the router's queue, on where it binds it,
                 # from the export the abort wrote (empty where it still waited: a re-prefill)
                 self.stats.requeued += 1
-                found = await _wait_export(store, export_key, self.export_timeout_s,
-                                           source_alive=lambda source=replica: self._alive(source))
-                load_key, load_source = _keep_fuller(store, load_key, load_source,
-                                                     export_key if found else None, replica)
-                bound = await self._requeue_at_router(request_id, held, prompt_ids, tokens,
-                                                      sampling_params)
+                load_key, load_source, _ = await self._next_load(store, export_key, replica,
+                                                                 load_key, load_source)
+                bound = await self._requeue_at_router(request_id, held, prompt_ids, tokens)
                 replica = bound if bound is not None else replica   # a hand-back, not a move
                 continue
             if not (aborted and destination is not None) or len(tokens) >= budget:
@@ -524,10 +531,8 @@ class MigratingLLMServerClient(LLMServerClient):
                 return out
             moves += 1
             move_pending = True
-            found = await _wait_export(store, export_key, self.export_timeout_s,
-                                       source_alive=lambda source=replica: self._alive(source))
-            load_key, load_source = _keep_fuller(store, load_key, load_source,
-                                                 export_key if found else None, replica)
+            load_key, load_source, found = await self._next_load(store, export_key, replica,
+                                                                 load_key, load_source)
             if order is not None:
                 order.generated_at_abort, order.export_found = len(tokens), found
                 self.stats.moves.append(order)
