@@ -79,6 +79,24 @@ def probe_vllm_cpu_ops(ops: list) -> dict:
     return {"ops": found, "amx": bool(torch.cpu._is_amx_tile_supported())}
 
 
+# vLLM's x86 CPU kernel libraries, and how each converts fp32 results to bf16: ``_C`` with the
+# AVX-512 BF16 instruction (round to nearest even), ``_C_AVX512`` and ``_C_AVX2`` without it, in
+# vLLM's own vector code, by dropping the low 16 bits (truncation toward zero)
+VLLM_CPU_LIBRARIES = {"_C": "nearest", "_C_AVX512": "truncate", "_C_AVX2": "truncate"}
+
+
+def loaded_vllm_cpu_library() -> str | None:
+    """The vLLM CPU kernel library this process has loaded (a key of :data:`VLLM_CPU_LIBRARIES`),
+    read from the process's memory map (vLLM imports ``_C_AVX512``/``_C_AVX2`` under the module
+    name ``_C``, so ``sys.modules`` cannot tell them apart); None when none is loaded."""
+    import re
+    with open("/proc/self/maps") as fh:
+        names = set(re.findall(r"/vllm/(_C(?:_AVX512|_AVX2)?)\.[^/\s]*\.so$", fh.read(), re.MULTILINE))
+    if len(names) > 1:
+        raise RuntimeError(f"several vLLM CPU kernel libraries are loaded: {sorted(names)}")
+    return names.pop() if names else None
+
+
 # the vLLM CPU ops whose absence changes what a test can run (one probe per session asks for all)
 PROBED_OPS = ("cpu_gemm_wna16", "prepack_moe_weight")
 

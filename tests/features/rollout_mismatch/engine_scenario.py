@@ -125,6 +125,16 @@ def _effective_weights(model, loaded: dict | None = None, forward: bool = True) 
     return layers
 
 
+def truncated_dequantize(codes, scale, group: int):
+    """``codes * scale`` as vLLM's CPU kernel libraries without the AVX-512 BF16 instruction
+    (``_C_AVX512``, ``_C_AVX2``) return it: the exact product in fp32 (a 4-bit code times a bf16
+    scale needs at most 12 significant bits), converted to bf16 by dropping its low 16 bits
+    (truncation toward zero) where ``int4.dequantize`` rounds to nearest even."""
+    import torch
+    exact = (codes.float().reshape(codes.shape[0], -1, group) * scale.float().unsqueeze(-1)).reshape(codes.shape)
+    return (exact.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
 def _codes_mismatch(engine_layers: dict, masters: dict, spec) -> list:
     """Engine layers whose loaded (packed, scale) are not ``int4.quantize`` of the trainer's
     master weights of their parts (``masters``: HF linear name -> weight)."""
@@ -230,7 +240,9 @@ def rollout_w4a16(workdir: str, group: int, export_path: str | None = None, forw
     layers = _effective_weights(model, loaded)
     torch.save(layers, os.path.join(workdir, "engine_w4a16_layers.pt"))
     _publish(os.path.join(workdir, "sequences.json"), sequences)   # the BF16 engine waits for them
+    from tests.support.cpu_isa import loaded_vllm_cpu_library
     out = {"sequences": sequences, "rollout_w4a16": logprobs, "served": llm.llm_engine.model_config.model,
+           "kernel_library": loaded_vllm_cpu_library(),
            "schemes": sorted({v["scheme"] for v in layers.values()}),
            "kernels": sorted({v["kernel"] for v in layers.values()})}
     if export_path:
@@ -297,16 +309,19 @@ def rollout_bf16_and_trainer(workdir: str, group: int) -> dict:
     # the engine's view of the same weights: loaded (codes, scales) and effective weights
     engine = torch.load(os.path.join(workdir, "engine_w4a16_layers.pt"), weights_only=False)
     codes_mismatch = _codes_mismatch(engine, masters, spec)
-    effective_mismatch, checked = [], 0
+    modules = dict(model.named_modules())
+    effective_mismatch, truncated_mismatch, checked = [], [], 0
     for name, rec in engine.items():
         prefix, fused = name.rsplit(".", 1)
         parts = [f"{prefix}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{p}" for p in FUSED[fused]]
-        fq = torch.cat([dict(model.named_modules())[p].weight.detach() for p in parts], dim=0)
-        if not (rec["effective"].dtype == fq.dtype and torch.equal(rec["effective"], fq)):
-            diff = (rec["effective"].float() - fq.float()).abs()
-            effective_mismatch.append(f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, "
-                                      f"max {float(diff.max()):.3g}")
+        fq = torch.cat([modules[p].weight.detach() for p in parts], dim=0)
+        codes, scale = int4.quantize(torch.cat([masters[p] for p in parts], dim=0), spec)
+        for want, wrong in ((fq, effective_mismatch), (truncated_dequantize(codes, scale, group), truncated_mismatch)):
+            if not (rec["effective"].dtype == want.dtype and torch.equal(rec["effective"], want)):
+                diff = (rec["effective"].float() - want.float()).abs()
+                wrong.append(f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, max {float(diff.max()):.3g}")
         checked += 1
     return {"rollout_bf16": rollout_bf16, "trainer_bf16": trainer_bf16, "trainer_fq": trainer_fq,
             "quantized_linears": len(quantized), "engine_layers_checked": checked,
-            "codes_mismatch": codes_mismatch, "effective_mismatch": effective_mismatch}
+            "codes_mismatch": codes_mismatch, "effective_mismatch": effective_mismatch,
+            "effective_truncated_mismatch": truncated_mismatch}

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks"))
 bench = pytest.importorskip("bench_rollout_router")
+pytestmark = pytest.mark.stack_independent   # numpy and this package's routing code only
 
 from ascend_rl_plugins.features.rollout_rebalance import routing  # noqa: E402
 
@@ -26,54 +27,71 @@ def _policies(w):
             if p[0] != bench.HAND_BACK or w.name == "qwen3-235b-32k-grpo"]
 
 
+@dataclass(frozen=True)
+class PolicyRun:
+    """One simulated run of one policy on one small workload (every batch of it)."""
+    seconds: float
+    tally: object          # bench.Tally
+    finished: list         # per batch, the request ids in finish order
+    in_transit: int        # KV transfers started and not landed when the run ended
+
+
+def _simulate(w, make, pooled) -> PolicyRun:
+    sim = bench.Simulation(w, make(), pooled=pooled)
+    t, finished = 0.0, []
+    for req in bench.make_batches(w):
+        t = sim.run_batch(req, t)
+        finished.append(list(sim.finished))
+        sim.finished.clear()
+    return PolicyRun(t, sim.tally, finished, sim.in_transit)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every policy of the table on every small workload, simulated once for the module (the
+    simulations are the module's whole cost): ``{workload key: {policy name: PolicyRun}}``."""
+    return {key: {name: _simulate(w, make, pooled) for name, make, pooled in _policies(w)}
+            for key, w in SMALL.items()}
+
+
 @pytest.mark.parametrize("key", sorted(SMALL))
-def test_every_request_finishes_exactly_once_under_every_policy(key):
-    w = SMALL[key]
-    batches = bench.make_batches(w)
-    for name, make, pooled in _policies(w):
-        _, tally, finished = bench.simulate(w, make, pooled)
-        for req, done in zip(batches, finished):
+def test_every_request_finishes_exactly_once_under_every_policy(key, runs):
+    batches = bench.make_batches(SMALL[key])
+    for name, run in runs[key].items():
+        for req, done in zip(batches, run.finished):
             assert sorted(done) == list(range(len(req.length))), name
         if "abort" in name:
-            assert tally.aborted > 0 or tally.rebalances == 0
+            assert run.tally.aborted > 0 or run.tally.rebalances == 0
 
 
-def test_the_simulation_is_deterministic():
+def test_the_simulation_is_deterministic(runs):
     w = SMALL["qwen3-235b-32k-grpo"]
     for name, make, pooled in _policies(w):
-        first = bench.simulate(w, make, pooled)
-        again = bench.simulate(w, make, pooled)
-        assert first[0] == again[0] and first[1] == again[1] and first[2] == again[2], name
+        assert _simulate(w, make, pooled) == runs["qwen3-235b-32k-grpo"][name], name
 
 
-def test_migration_and_pooling_never_lose_to_verls_router_on_the_small_workloads():
+def test_migration_and_pooling_never_lose_to_verls_router_on_the_small_workloads(runs):
     """What the README's table says on the full workloads, checked on small ones: the router
     with (simulated) KV migration and the pooled engine finish no later than verl's
     least-in-flight router, and migration moves requests with their KV."""
-    for key, w in SMALL.items():
-        rows = {name: bench.run(w, make, pooled) for name, make, pooled in _policies(w)}
-        lif = rows["verl least-in-flight"][0]
-        assert rows["this router + KV migration (simulated)"][0] <= lif, key
-        assert rows["pooled engine (reference)"][0] <= lif, key
-        assert rows["this router + KV migration (simulated)"][1].moved_kv > 0, key
+    for key, rows in runs.items():
+        lif = rows["verl least-in-flight"].seconds
+        assert rows["this router + KV migration (simulated)"].seconds <= lif, key
+        assert rows["pooled engine (reference)"].seconds <= lif, key
+        assert rows["this router + KV migration (simulated)"].tally.moved_kv > 0, key
         if bench.HAND_BACK in rows:
-            assert rows[bench.HAND_BACK][0] <= lif and rows[bench.HAND_BACK][1].requeued > 0, key
+            assert rows[bench.HAND_BACK].seconds <= lif and rows[bench.HAND_BACK].tally.requeued > 0, key
 
 
-def test_no_policy_beats_the_models_lower_bounds_and_no_kv_is_left_on_the_link():
+def test_no_policy_beats_the_models_lower_bounds_and_no_kv_is_left_on_the_link(runs):
     """The lower bounds the README quotes hold for every policy (a model or bound error would
     show as a makespan below them), and every KV transfer the migration starts lands."""
     for key, w in SMALL.items():
         bounds = bench.lower_bounds(w)
         assert bounds.best == max(bounds.alone, bounds.work, bounds.kv_steps) > 0
-        for name, make, pooled in _policies(w):
-            policy = make()
-            sim = bench.Simulation(w, policy, pooled=pooled)
-            t = 0.0
-            for req in bench.make_batches(w):
-                t = sim.run_batch(req, t)
-            assert t >= bounds.best, (key, name, bounds)
-            assert sim.in_transit == 0, (key, name)
+        for name, run in runs[key].items():
+            assert run.seconds >= bounds.best, (key, name, bounds)
+            assert run.in_transit == 0, (key, name)
 
 
 def test_the_replicas_step_is_the_planners_step_model():
@@ -89,29 +107,49 @@ def test_the_replicas_step_is_the_planners_step_model():
     assert r.seconds(1) == pytest.approx(expected_ms / 1000)
 
 
-def test_the_simulated_controller_does_only_what_the_shipped_client_can():
+@dataclass
+class ObservedMigration:
+    """One simulated batch of the shipped controller (this router + KV migration, 235B), with
+    what the controller's planner was shown and what the router was told."""
+    sim: object                 # bench.Simulation, after the batch
+    client: object              # bench.ThisRouter
+    seen_queued: list           # queued requests in the views the planner got (must be none)
+    running_sizes: set          # expected_response_tokens of every running request it saw
+    told: list                  # what policy.move answered for each move the controller told
+
+
+@pytest.fixture(scope="module")
+def observed_migration() -> ObservedMigration:
+    w = SMALL["qwen3-235b-32k-grpo"]
+    client = bench.ThisRouter(replace(DEFAULTS, **bench.WITH_MIGRATION), migrate_every=bench.MIGRATE_EVERY)
+    sim = bench.Simulation(w, client)
+    seen = ObservedMigration(sim, client, [], set(), [])
+    plan, follow = client.views, client.policy.move
+
+    def views(s):
+        out = plan(s)
+        seen.seen_queued.extend(r for v in out for r in v.queued)
+        seen.running_sizes.update(r.expected_response_tokens for v in out for r in v.running)
+        return out
+
+    client.views = views
+    client.policy.move = lambda *args: seen.told.append(follow(*args)) or seen.told[-1]
+    sim.run_batch(bench.make_batches(w)[0], 0.0)
+    return seen
+
+
+def test_the_simulated_controller_does_only_what_the_shipped_client_can(observed_migration):
     """The table's migration is migration_client.PlannedMigration's: it cannot tell a queued
     request from a running one (no queued list, nothing moved while it waits, every move
     exports KV) and expects each request's max_tokens. The what-if controller ('full', not
     shipped) also sees the queued requests (its planner may move them without KV); an unknown
     controller is refused."""
     w = SMALL["qwen3-235b-32k-grpo"]
+    tally = observed_migration.sim.tally
+    assert tally.preempted > 0  # there were queued requests to see
+    assert observed_migration.seen_queued == [] and tally.moved == tally.moved_kv > 0
+    assert observed_migration.running_sizes == {w.max_response}
     migrating = replace(DEFAULTS, **bench.WITH_MIGRATION)
-    client = bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY)
-    sim = bench.Simulation(w, client)
-    seen_queued = []
-    plan = client.views
-
-    def views(s):
-        out = plan(s)
-        seen_queued.extend(r for v in out for r in v.queued)
-        assert all(r.expected_response_tokens == w.max_response for v in out for r in v.running)
-        return out
-
-    client.views = views
-    sim.run_batch(bench.make_batches(w)[0], 0.0)
-    assert sim.tally.preempted > 0  # there were queued requests to see
-    assert seen_queued == [] and sim.tally.moved == sim.tally.moved_kv > 0
     full = bench.ThisRouter(migrating, migrate_every=bench.MIGRATE_EVERY, controller="full")
     full_sim = bench.Simulation(w, full)
     full_queued = []
@@ -129,19 +167,14 @@ def test_the_simulated_controller_does_only_what_the_shipped_client_can():
         bench.ThisRouter(DEFAULTS, controller="oracle")
 
 
-def test_the_router_follows_every_simulated_move_and_ends_with_empty_books():
+def test_the_router_follows_every_simulated_move_and_ends_with_empty_books(observed_migration):
     """As the shipped client does (MigratingLLMServerClient tells move_request when a moved
     request starts at its destination), the simulated controller tells the router of every
     move that lands: the router accepts each one, releases each request where it runs, and its
     books are empty when the batch ends (nothing released to a replica it left)."""
-    w = SMALL["qwen3-235b-32k-grpo"]
-    client = bench.ThisRouter(replace(DEFAULTS, **bench.WITH_MIGRATION), migrate_every=bench.MIGRATE_EVERY)
-    told = []
-    follow = client.policy.move
-    client.policy.move = lambda *args: told.append(follow(*args)) or told[-1]
-    sim = bench.Simulation(w, client)
-    sim.run_batch(bench.make_batches(w)[0], 0.0)
-    assert sim.tally.moved_kv > 0 and len(told) == sim.tally.moved_kv and all(told)
+    told, client = observed_migration.told, observed_migration.client
+    assert observed_migration.sim.tally.moved_kv > 0 and len(told) == observed_migration.sim.tally.moved_kv
+    assert all(told)
     assert all(not r.inflight and not r.groups for r in client.policy.replicas.values())
     assert client.acquired == {}
 

@@ -25,9 +25,14 @@ class ServerDouble:
     """Double of verl 0.9.1's vLLMHttpServer: get_rollout_config and generate (same
     signature), sleeping in proportion to the prompt's last token instead of decoding."""
 
-    def __init__(self, name: str, max_num_seqs: int, full_determinism: bool = False):
-        from verl.workers.config.rollout import RolloutConfig
+    def __init__(self, name: str):
         self.name = name
+        self.configure(1)
+
+    def configure(self, max_num_seqs: int, full_determinism: bool = False) -> None:
+        """Start afresh as a server of ``max_num_seqs`` slots (the module's tests share these
+        actors: each one's process imports verl, the costliest part of these tests)."""
+        from verl.workers.config.rollout import RolloutConfig
         self.config = RolloutConfig(name="vllm", max_num_seqs=max_num_seqs, response_length=64,
                                     prompt_length=32, full_determinism=full_determinism)
         self.running = 0
@@ -55,11 +60,15 @@ class ServerDouble:
         return {"most": self.most, "served": self.served}
 
 
+DOUBLES = 3   # the most servers a test of this module asks for
+
+
 @pytest.fixture(scope="module")
 def ray_local():
+    """Ray local and the module's server doubles (``{address: handle}``), made once."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-    yield
+    yield {f"127.0.0.{i + 1}:{9000 + i}": ServerDouble.remote(f"s{i}") for i in range(DOUBLES)}
     ray.shutdown()
 
 
@@ -71,9 +80,11 @@ def _client(full_determinism: bool, handle):
     return LLMServerClient(config, load_balancer_handle=handle)
 
 
-def _servers(n, slots, full_determinism=False):
-    return {f"127.0.0.{i + 1}:{9000 + i}": ServerDouble.remote(f"s{i}", slots, full_determinism)
-            for i in range(n)}
+def _servers(doubles: dict, n: int, slots: int, full_determinism: bool = False) -> dict:
+    """``n`` of the module's server doubles, each started afresh with ``slots`` slots."""
+    chosen = dict(list(doubles.items())[:n])
+    ray.get([s.configure.remote(slots, full_determinism) for s in chosen.values()])
+    return chosen
 
 
 def _grpo(client, prompts: int, n: int, ids=None):
@@ -91,7 +102,7 @@ def _grpo(client, prompts: int, n: int, ids=None):
 
 def test_loaded_through_router_config_path_every_request_answered_once(ray_local):
     from verl.workers.rollout.router import get_router_handle
-    servers = _servers(2, slots=3)
+    servers = _servers(ray_local, 2, slots=3)
     handle = get_router_handle(servers, router_config_path=rr.router_yaml_path())
     assert ray.get(handle.require_acquire_fields.remote()) == ["prompt_ids"]
     client = _client(False, handle)
@@ -114,7 +125,7 @@ def test_loaded_through_router_config_path_every_request_answered_once(ray_local
 
 def test_multi_turn_sessions_stay_sticky(ray_local):
     from verl.workers.rollout.router import get_router_handle
-    servers = _servers(3, slots=2)
+    servers = _servers(ray_local, 3, slots=2)
     handle = get_router_handle(servers, router_config_path=rr.router_yaml_path())
     client = _client(False, handle)
 
@@ -140,7 +151,7 @@ def test_full_determinism_is_read_from_the_servers_and_keeps_its_meaning(ray_loc
     from verl.workers.rollout.router import get_router_handle
 
     def mapping(order):
-        servers = _servers(3, slots=1, full_determinism=True)
+        servers = _servers(ray_local, 3, slots=1, full_determinism=True)
         handle = get_router_handle(servers, router_config_path=rr.router_yaml_path(),
                                    full_determinism=True)
         client = _client(True, handle)
@@ -160,6 +171,6 @@ def test_a_bad_yaml_value_fails_when_verl_builds_the_router(ray_local, tmp_path)
     from verl.workers.rollout.router import get_router_handle
     bad = tmp_path / "router.yaml"
     bad.write_text(open(rr.router_yaml_path()).read() + "siblings: sideways\n")
-    handle = get_router_handle(_servers(1, slots=1), router_config_path=str(bad))
+    handle = get_router_handle(_servers(ray_local, 1, slots=1), router_config_path=str(bad))
     with pytest.raises(Exception, match=r"siblings.*accepted: one of 'spread', 'pack'"):
         ray.get(handle.get_status.remote())

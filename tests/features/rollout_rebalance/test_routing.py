@@ -10,6 +10,8 @@ from hypothesis import given, settings as hsettings, strategies as st
 from ascend_rl_plugins import flags
 from ascend_rl_plugins.features.rollout_rebalance import routing
 
+pytestmark = pytest.mark.stack_independent   # pure Python: nothing a reference stack provides
+
 
 def _policy(n=2, slots=4, capacity=0, **kw) -> routing.RoutingPolicy:
     policy = routing.RoutingPolicy(routing.RouterSettings(**kw))

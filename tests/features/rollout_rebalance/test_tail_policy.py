@@ -9,6 +9,8 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from ascend_rl_plugins.features.rollout_rebalance import tail_policy as tp
 
+pytestmark = pytest.mark.stack_independent   # pure Python: nothing a reference stack provides
+
 STEP = tp.StepCostModel(((4, 50.0), (64, 80.0), (256, 124.0)), attention_ms_per_token=75.0 / 850_000,
                         graph_sizes=(4, 8, 16, 32, 64))
 FAST_LINK = tp.TransferCostModel(kv_bytes_per_token=48128, link_bytes_per_s=20e9, prefill_tokens_per_s=8000)
