@@ -727,12 +727,20 @@ class ThisRouter(Policy):
 
 
 def run(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tally]:
-    seconds, tally, _ = simulate(w, make_policy, pooled)
-    return seconds, tally
+    result = simulate(w, make_policy, pooled)
+    return result.seconds, result.tally
 
 
-def simulate(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tally, list]:
-    """Makespan, tallies and, per generation batch, the finished requests in finish order."""
+@dataclass(frozen=True)
+class SimulatedRun:
+    """One policy simulated over every generation batch of a workload."""
+    seconds: float        # makespan
+    tally: Tally
+    finished: list        # per batch, the request ids in finish order
+    in_transit: int       # KV transfers started and not landed when the run ended (0: none lost)
+
+
+def simulate(w: Workload, make_policy, pooled: bool = False) -> SimulatedRun:
     policy = make_policy()
     sim = Simulation(w, policy, pooled=pooled)
     t = 0.0
@@ -741,7 +749,7 @@ def simulate(w: Workload, make_policy, pooled: bool = False) -> tuple[float, Tal
         t = sim.run_batch(req, t)
         finished.append(list(sim.finished))
         sim.finished.clear()
-    return t, sim.tally, finished
+    return SimulatedRun(t, sim.tally, finished, sim.in_transit)
 
 
 # The router's settings under migration: a looser expected-size KV gate than alone (kv_budget

@@ -80,8 +80,10 @@ def probe_vllm_cpu_ops(ops: list) -> dict:
 
 
 # vLLM's x86 CPU kernel libraries, and how each converts fp32 results to bf16: ``_C`` with the
-# AVX-512 BF16 instruction (round to nearest even), ``_C_AVX512`` and ``_C_AVX2`` without it, in
-# vLLM's own vector code, by dropping the low 16 bits (truncation toward zero)
+# AVX-512 BF16 instruction (round to nearest even); ``_C_AVX512``, without it, by dropping the low
+# 16 bits (truncation toward zero: measured on its W4A16 matmul, rollout_mismatch README).
+# ``_C_AVX2`` (no W4A16 matmul at all, so nothing here reads its rounding) is assumed to round
+# as ``_C_AVX512`` does, lacking the same instruction.
 VLLM_CPU_LIBRARIES = {"_C": "nearest", "_C_AVX512": "truncate", "_C_AVX2": "truncate"}
 
 

@@ -34,6 +34,13 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+def fused_parts(fused_name: str) -> list[str]:
+    """HF module names of the linears vLLM fuses into ``model.layers.<i>.<fused>``."""
+    prefix, fused = fused_name.rsplit(".", 1)
+    block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+    return [f"{prefix}.{block}.{p}" for p in FUSED[fused]]
+
+
 def _publish(path: str, obj) -> None:
     import json
     with open(path + ".tmp", "w") as fh:
@@ -142,8 +149,7 @@ def _codes_mismatch(engine_layers: dict, masters: dict, spec) -> list:
     from ascend_rl_plugins.features.flashrl import int4
     wrong = []
     for name, rec in engine_layers.items():
-        prefix, fused = name.rsplit(".", 1)
-        parts = [f"{prefix}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{p}" for p in FUSED[fused]]
+        parts = fused_parts(name)
         codes, scale = int4.quantize(torch.cat([masters[p] for p in parts], dim=0), spec)
         if not (torch.equal(int4.pack(codes), rec["packed"]) and scale.dtype == rec["scale"].dtype
                 and torch.equal(scale, rec["scale"])):
@@ -312,8 +318,7 @@ def rollout_bf16_and_trainer(workdir: str, group: int) -> dict:
     modules = dict(model.named_modules())
     effective_mismatch, truncated_mismatch, checked = [], [], 0
     for name, rec in engine.items():
-        prefix, fused = name.rsplit(".", 1)
-        parts = [f"{prefix}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{p}" for p in FUSED[fused]]
+        parts = fused_parts(name)
         fq = torch.cat([modules[p].weight.detach() for p in parts], dim=0)
         codes, scale = int4.quantize(torch.cat([masters[p] for p in parts], dim=0), spec)
         for want, wrong in ((fq, effective_mismatch), (truncated_dequantize(codes, scale, group), truncated_mismatch)):

@@ -133,13 +133,11 @@ def test_after_a_reload_the_engine_holds_the_megatron_qat_trainers_weights_bit_f
     if _kernel_rounding(runs) == "nearest":
         want = exported["forward"]
     else:   # the kernel multiplies by the truncated product of the same codes and scales
-        from tests.features.rollout_mismatch.engine_scenario import FUSED, truncated_dequantize
+        from tests.features.rollout_mismatch.engine_scenario import fused_parts, truncated_dequantize
         want = {}
         for name in engine["effective"]:
-            prefix, fused = name.rsplit(".", 1)
-            parts = [f"{prefix}.{'self_attn' if fused in ('qkv_proj', 'o_proj') else 'mlp'}.{p}.weight"
-                     for p in FUSED[fused]]
-            codes, scale = int4.quantize(torch.cat([exported["hf"][p] for p in parts], dim=0), spec)
+            parts = [exported["hf"][p + ".weight"] for p in fused_parts(name)]
+            codes, scale = int4.quantize(torch.cat(parts, dim=0), spec)
             want[name] = truncated_dequantize(codes, scale, GROUP)
     differ = [n for n, w in engine["effective"].items() if not (w.dtype == want[n].dtype and torch.equal(w, want[n]))]
     assert differ == [], (runs["kernel_library"], differ)

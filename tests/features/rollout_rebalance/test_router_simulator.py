@@ -27,30 +27,11 @@ def _policies(w):
             if p[0] != bench.HAND_BACK or w.name == "qwen3-235b-32k-grpo"]
 
 
-@dataclass(frozen=True)
-class PolicyRun:
-    """One simulated run of one policy on one small workload (every batch of it)."""
-    seconds: float
-    tally: object          # bench.Tally
-    finished: list         # per batch, the request ids in finish order
-    in_transit: int        # KV transfers started and not landed when the run ended
-
-
-def _simulate(w, make, pooled) -> PolicyRun:
-    sim = bench.Simulation(w, make(), pooled=pooled)
-    t, finished = 0.0, []
-    for req in bench.make_batches(w):
-        t = sim.run_batch(req, t)
-        finished.append(list(sim.finished))
-        sim.finished.clear()
-    return PolicyRun(t, sim.tally, finished, sim.in_transit)
-
-
 @pytest.fixture(scope="module")
 def runs():
     """Every policy of the table on every small workload, simulated once for the module (the
-    simulations are the module's whole cost): ``{workload key: {policy name: PolicyRun}}``."""
-    return {key: {name: _simulate(w, make, pooled) for name, make, pooled in _policies(w)}
+    simulations are the module's whole cost): ``{workload key: {policy name: bench.SimulatedRun}}``."""
+    return {key: {name: bench.simulate(w, make, pooled) for name, make, pooled in _policies(w)}
             for key, w in SMALL.items()}
 
 
@@ -67,7 +48,7 @@ def test_every_request_finishes_exactly_once_under_every_policy(key, runs):
 def test_the_simulation_is_deterministic(runs):
     w = SMALL["qwen3-235b-32k-grpo"]
     for name, make, pooled in _policies(w):
-        assert _simulate(w, make, pooled) == runs["qwen3-235b-32k-grpo"][name], name
+        assert bench.simulate(w, make, pooled) == runs["qwen3-235b-32k-grpo"][name], name
 
 
 def test_migration_and_pooling_never_lose_to_verls_router_on_the_small_workloads(runs):
