@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 SIBLINGS = ("spread", "pack")
 ORDER = ("longest_first", "arrival")
 NO_SERVERS = "No available servers in load balancer"  # verl's text: its fully-async client retries on it
-REQUEUED_AHEAD = -1e12  # queue key of a handed-back request (minus its generated tokens)
+REQUEUED_AHEAD = -1e12  # queue key of a handed-back request (plus its generated tokens)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,9 @@ class ReplicaState:
     inflight: dict = field(default_factory=dict)  # request_id -> expected final tokens
     groups: Counter = field(default_factory=Counter)  # group key -> siblings in flight
     expected_tokens: float = 0.0  # sum of ``inflight``
-    fresh_prompt_tokens: int = 0  # prompts bound here since its last KV report
+    # tokens bound here since its last KV report (prompts, and a handed-back request's
+    # generated tokens: its replica re-prefills them)
+    fresh_prompt_tokens: int = 0
 
     def drop(self, request_id: str, group) -> float:
         """The request leaves this replica (released, or moved away): its expected tokens and its
@@ -275,9 +277,18 @@ class RoutingPolicy:
         it back to submit it again. It leaves that replica's books (no duration observed: it
         did not finish) and its sticky entry (it resumes wherever room comes first: vLLM's
         recompute preemption freed its KV, so every replica re-prefills it at the same cost),
-        and once submitted again it goes ahead of every request that never started, the
-        longest-generated first: what the pooled engine's single queue does for the requests
-        it preempts. False (nothing changed) where ``server_id`` does not hold it."""
+        and once submitted again it goes ahead of every request that never started (the pooled
+        engine's single queue does that for the requests it preempts), the **fewest generated
+        tokens first**. Why that order: requests of one rollout start together, so the one that
+        had generated the least was preempted earliest and has waited longest; and a preempted
+        request is one nothing distinguishes yet, so its remaining work is bounded only by the
+        response cap minus what it generated, the largest for the fewest generated (the
+        longest-first rule of the main queue, on the only bound known). Longest-generated first,
+        vLLM's own order for its preempted requests (each goes to the head of its replica's
+        queue), starves the early victims behind every later one: in the long-tail simulator a
+        request preempted at 508 s waited until 3096 s and finished last (235B workload, seed 0;
+        the feature README's seventh pass). False (nothing changed) where ``server_id`` does not
+        hold it."""
         replica = self.replicas.get(server_id)
         if replica is None or request_id not in replica.inflight:
             return False
@@ -326,7 +337,7 @@ class RoutingPolicy:
     def _key(self, pending: _Pending) -> float:
         generated = self.requeued.get(pending.request_id)
         if generated is not None:   # ahead of every never-started request (keys >= -2 x max tokens)
-            return REQUEUED_AHEAD - generated
+            return REQUEUED_AHEAD + generated
         if self.settings.order == "arrival":
             return 0.0
         return -self.expected_tokens(pending.prompt_tokens, pending.group)
@@ -376,7 +387,7 @@ class RoutingPolicy:
     def _bind(self, request_id: str, server_id: str, prompt_tokens: int, group: str, now: float,
               expected: float | None = None) -> None:
         replica = self.replicas[server_id]
-        self.requeued.pop(request_id, None)
+        resumed = self.requeued.pop(request_id, 0)  # a handed-back request re-prefills these too
         if expected is None:
             expected = self.expected_tokens(prompt_tokens, group)
         previous = replica.inflight.get(request_id)
@@ -386,7 +397,7 @@ class RoutingPolicy:
             replica.groups[group] += 1
         replica.inflight[request_id] = expected
         replica.expected_tokens += expected
-        replica.fresh_prompt_tokens += int(prompt_tokens)
+        replica.fresh_prompt_tokens += int(prompt_tokens) + resumed
         self._started[request_id] = (now, group)
         self.sticky[request_id] = server_id
         self.sticky.move_to_end(request_id)

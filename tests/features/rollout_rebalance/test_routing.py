@@ -159,7 +159,10 @@ def test_a_handed_back_request_leaves_its_replica_and_its_sticky_entry():
     assert policy.inflight() == 1
 
 
-def test_handed_back_requests_go_ahead_of_every_unstarted_one_longest_generated_first():
+def test_handed_back_requests_go_ahead_of_every_unstarted_one_fewest_generated_first():
+    """The preemption hand-back's queue order: every handed-back request before any that never
+    started, and among them the fewest generated tokens first (the earliest victim, with the
+    most left to the response cap; routing.RoutingPolicy.requeue says why)."""
     policy = _policy(n=1, slots=1)
     for rid, generated in (("x", 3), ("y", 30)):   # each bound once, then preempted and handed back
         policy.submit(rid, 10, f"g{rid}", now=0.0)
@@ -174,7 +177,7 @@ def test_handed_back_requests_go_ahead_of_every_unstarted_one_longest_generated_
         order += _ids(bound)
         for d in bound:
             policy.release(d.server_id, d.request_id, now=float(t))
-    assert order == ["y", "x", "never"], order   # ...but after the handed-back ones
+    assert order == ["x", "y", "never"], order   # ...but after the handed-back ones
     assert policy.requeued == {} and policy.inflight() == 0 and policy.queued == 0
 
 
@@ -266,6 +269,22 @@ def test_kv_reserve_keeps_room_for_the_running_requests_to_grow():
     assert len(bound) == 4 and policy.queued == 2
     policy.report("s0", kv_used_tokens=2_000)  # requests finished elsewhere freed KV
     assert len(policy.dispatch(now=1.0)) == 2
+
+
+def test_a_handed_back_requests_generated_tokens_count_against_its_replicas_room():
+    """A handed-back request brings back what it had generated: its new replica re-prefills
+    prompt and generated tokens, so until the next KV report both count against the room
+    ``kv_reserve`` keeps (a prompt alone would let the replica take more than it holds, and
+    vLLM preempt the newest, the resumed request, again)."""
+    policy = _policy(n=1, slots=16, capacity=10_000, kv_budget=16, kv_reserve=1000)
+    policy.submit("resumed", 100, "g", now=0.0)
+    assert policy.requeue("resumed", "s0", 4_000)
+    policy.report("s0", kv_used_tokens=2_000)
+    assert _ids(policy.submit("resumed", 100, "g", now=1.0)) == ["resumed"]
+    assert policy.replicas["s0"].fresh_prompt_tokens == 4_100
+    # 2000 used + 4100 re-prefilled + 1000 per request: a second fits, a third does not
+    bound = [d for i in range(3) for d in policy.submit(f"r{i}", 100, f"g{i}", now=1.0)]
+    assert _ids(bound) == ["r0", "r1"] and policy.queued == 1
 
 
 def test_spread_places_a_groups_siblings_on_replicas_without_one_first():
