@@ -410,7 +410,11 @@ class MigratingLLMServerClient(LLMServerClient):
         None where the router does not hold it where ``held`` says (it stays there)."""
         if not await self._load_balancer.requeue_request.remote(request_id, held[0], len(tokens)):
             return None
-        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids + tokens)
+        # the original prompt, as on the first acquire: the router keys the GRPO group by it
+        # and already holds the generated tokens from requeue_request (it counts both against
+        # the replica it binds to; prompt + tokens here would count the tokens twice and put
+        # the request in a group of its own)
+        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids)
         held[0] = server_id
         if server_id not in self.replicas:
             await self._refresh_replicas()

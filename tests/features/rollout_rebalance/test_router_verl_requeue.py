@@ -13,7 +13,9 @@ Checked: vLLM preempted in the reference (its own counter) and hops were handed 
 other run (the connector marks only what the scheduler preempted); tokens identical
 to the reference, log-probs too (a handed-back hop re-prefills, as vLLM's own recompute
 preemption does in the reference); every request finished exactly once (vLLM's success
-counters); the router's books empty; no export and no preemption mark left.
+counters); the router's books empty, and its length statistics keyed by the batch's prompts
+only (a handed-back request is acquired again under its own prompt); no export and no
+preemption mark left.
 """
 
 from __future__ import annotations
@@ -51,5 +53,7 @@ def test_preempted_hops_are_handed_back_and_nothing_changes_or_is_lost(verl_requ
     assert back.lengths == [REQUEUE_TOKENS] * REQUEUE_PROMPTS * N
     assert _finished(back) == REQUEUE_PROMPTS * N, back.replicas   # each request finished exactly once
     assert back.router_inflight_after == 0, back
+    # acquired again under its own prompt: the router's statistics know the batch's prompts only
+    assert verl_requeue_rollouts.router_prompt_groups == REQUEUE_PROMPTS, verl_requeue_rollouts.router_prompt_groups
     assert back.exports_left == [] and verl_requeue_rollouts.marks_left == [], (
         back.exports_left, verl_requeue_rollouts.marks_left)

@@ -301,7 +301,15 @@ class RequeueRollouts:
     requeued: Rollout      # MigratingLLMServerClient, hand-back on (no moves)
     marks_left: list[str]  # preemption marks still in the store afterwards
     kv_capacity_tokens: dict[str, int]   # per server, as the router read its /metrics
+    # prompt (GRPO group) keys the router's length statistics hold after both rollouts: one per
+    # prompt where a handed-back request is acquired again under its own prompt
+    router_prompt_groups: int
     seconds: dict[str, float]
+
+
+def _router_prompt_groups(router) -> int:
+    """Inside the router actor: how many prompt keys its length statistics hold."""
+    return len(router._policy.lengths.by_group)
 
 
 def grpo_requeue_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int, max_tokens: int,
@@ -341,7 +349,8 @@ def grpo_requeue_rollouts(model_dir: str, router_yaml: str, prompts: int, n: int
         requeued = _rollout(config, client, servers, addresses, prompts, n, store_dir)
         clock.lap("hand-back rollout")
         status = ray.get(servers.global_load_balancer.get_status.remote())
-        return RequeueRollouts(reference=reference, requeued=requeued,
+        groups = ray.get(servers.global_load_balancer.__ray_call__.remote(_router_prompt_groups))
+        return RequeueRollouts(reference=reference, requeued=requeued, router_prompt_groups=groups,
                                marks_left=sorted(kv_migration.KVExportStore(store_dir).preempted_keys()),
                                kv_capacity_tokens={a: kv["capacity_tokens"] for a, kv in status["kv"].items()},
                                seconds=clock.seconds)
