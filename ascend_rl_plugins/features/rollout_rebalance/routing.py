@@ -320,6 +320,7 @@ class RoutingPolicy:
         """A queued request's caller gave up (its task was cancelled): never bind it."""
         if any(p.request_id == request_id for _, _, p in self._queue):
             self._cancelled.add(request_id)
+            self.requeued.pop(request_id, None)  # a handed-back one: never bound, so never popped there
 
     def clear_sticky(self) -> int:
         cleared = len(self.sticky)

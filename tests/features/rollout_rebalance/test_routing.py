@@ -145,6 +145,19 @@ def test_a_cancelled_caller_is_never_bound():
     assert policy.dispatch(now=1.0) == [] and policy.queued == 0
 
 
+def test_a_cancelled_handed_back_request_leaves_nothing_behind():
+    """A handed-back request whose caller gives up while it waits again: never bound, and the
+    router keeps no record of its generated tokens (no entry per cancelled hand-back)."""
+    policy = _policy(n=1, slots=1)
+    policy.submit("back", 10, "g", now=0.0)
+    assert policy.requeue("back", "s0", 30)
+    policy.submit("busy", 1, "g2", now=0.0)
+    assert policy.submit("back", 10, "g", now=0.5) == []
+    policy.cancel("back")
+    policy.release("s0", "busy", now=1.0)
+    assert policy.dispatch(now=1.0) == [] and policy.queued == 0 and policy.requeued == {}
+
+
 def test_a_handed_back_request_leaves_its_replica_and_its_sticky_entry():
     """The preemption hand-back: off the preempting replica's books and out of its sticky entry
     (resubmitted, it is not routed straight back there); refused where the replica named does
