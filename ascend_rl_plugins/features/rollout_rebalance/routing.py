@@ -95,7 +95,7 @@ class ReplicaState:
     expected_tokens: float = 0.0  # sum of ``inflight``
     # tokens bound here since its last KV report (prompts, and a handed-back request's
     # generated tokens: its replica re-prefills them)
-    fresh_prompt_tokens: int = 0
+    tokens_bound_since_report: int = 0
 
     def drop(self, request_id: str, group) -> float:
         """The request leaves this replica (released, or moved away): its expected tokens and its
@@ -215,7 +215,7 @@ class RoutingPolicy:
             replica.kv_capacity_tokens = int(kv_capacity_tokens)
         if kv_used_tokens is not None:
             replica.kv_used_tokens = int(kv_used_tokens)
-            replica.fresh_prompt_tokens = 0
+            replica.tokens_bound_since_report = 0
 
     # -- requests ------------------------------------------------------------------------
     def expected_tokens(self, prompt_tokens: int, group: str) -> float:
@@ -283,12 +283,12 @@ class RoutingPolicy:
         had generated the least was preempted earliest and has waited longest; and a preempted
         request is one nothing distinguishes yet, so its remaining work is bounded only by the
         response cap minus what it generated, the largest for the fewest generated (the
-        longest-first rule of the main queue, on the only bound known). Longest-generated first,
-        vLLM's own order for its preempted requests (each goes to the head of its replica's
-        queue), starves the early victims behind every later one: in the long-tail simulator a
-        request preempted at 508 s waited until 3096 s and finished last (235B workload, seed 0;
-        the feature README's seventh pass). False (nothing changed) where ``server_id`` does not
-        hold it."""
+        longest-first rule of the main queue, on the only bound known). Longest-generated first
+        (close to vLLM's own order: a preempted request goes to the head of its replica's queue,
+        the latest victim first) starves the early victims behind every later one: in the
+        long-tail simulator a request preempted at 508 s waited until 3096 s and finished last
+        (235B workload, seed 0; the feature README's seventh pass). False (nothing changed)
+        where ``server_id`` does not hold it."""
         replica = self.replicas.get(server_id)
         if replica is None or request_id not in replica.inflight:
             return False
@@ -363,7 +363,7 @@ class RoutingPolicy:
             return False
         if replica.kv_capacity_tokens <= 0:
             return True
-        if self.settings.kv_reserve and (replica.kv_used_tokens + replica.fresh_prompt_tokens
+        if self.settings.kv_reserve and (replica.kv_used_tokens + replica.tokens_bound_since_report
                                          + (len(replica.inflight) + 1) * self.settings.kv_reserve
                                          > replica.kv_capacity_tokens):
             return False
@@ -398,7 +398,7 @@ class RoutingPolicy:
             replica.groups[group] += 1
         replica.inflight[request_id] = expected
         replica.expected_tokens += expected
-        replica.fresh_prompt_tokens += int(prompt_tokens) + resumed
+        replica.tokens_bound_since_report += int(prompt_tokens) + resumed
         self._started[request_id] = (now, group)
         self.sticky[request_id] = server_id
         self.sticky.move_to_end(request_id)

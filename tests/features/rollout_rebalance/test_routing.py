@@ -294,7 +294,7 @@ def test_a_handed_back_requests_generated_tokens_count_against_its_replicas_room
     assert policy.requeue("resumed", "s0", 4_000)
     policy.report("s0", kv_used_tokens=2_000)
     assert _ids(policy.submit("resumed", 100, "g", now=1.0)) == ["resumed"]
-    assert policy.replicas["s0"].fresh_prompt_tokens == 4_100
+    assert policy.replicas["s0"].tokens_bound_since_report == 4_100
     # 2000 used + 4100 re-prefilled + 1000 per request: a second fits, a third does not
     bound = [d for i in range(3) for d in policy.submit(f"r{i}", 100, f"g{i}", now=1.0)]
     assert _ids(bound) == ["r0", "r1"] and policy.queued == 1
