@@ -203,9 +203,10 @@ REQUEUE_PREEMPTED = flags.define(
     "Preemption hand-back, with ASCEND_RL_ROLLOUT_MIGRATION=planned on verl 0.9: a request its "
     "vLLM replica preempts (recompute preemption: its KV freed) goes back to the router's shared "
     "queue, ahead of every request not yet started (the fewest generated tokens first: the "
-    "earliest victim first), instead of waiting in that replica's own queue; it resumes by re-prefill wherever room comes first (the migration KV connector marks "
-    "the preemption, the client aborts the hop and acquires it again). Pair it with the router "
-    "settings kv_budget 16 and kv_reserve 512 (README: the simulator's best). Off by default: "
+    "earliest victim first), instead of waiting in that replica's own queue; it resumes by "
+    "re-prefill wherever room comes first (the migration KV connector marks the preemption, "
+    "the client aborts the hop and acquires it again). Pair it with the router settings "
+    "kv_budget 16 and kv_reserve 512 (README: the simulator's best). Off by default: "
     "its gain is the simulator's, not measured on an NPU cluster.", feature="rollout_rebalance")
 ROUTER_FLAGS = (ROUTER_SIBLINGS, ROUTER_ORDER, ROUTER_KV_BUDGET, ROUTER_KV_RESERVE, ROUTER_SLOTS,
                 ROUTER_LOAD,
