@@ -24,13 +24,14 @@ import dataclasses
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any
+
+from tests.support.ports import free_port  # noqa: F401  (the scenarios' rendezvous ports; re-exported)
 
 MARK = "@@ARP_TEST_RESULT@@"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,47 +143,6 @@ def run_scenario_to_exit(module: str, function: str, *args: Any, env: dict | Non
                           capture_output=True, text=True, timeout=timeout, cwd=REPO)
     ok, result = _result(proc.stdout)
     return Exited(proc.returncode, proc.stdout, proc.stderr, ok, result)
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for the local ports of outgoing connections (Linux; else its default)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-_PORTS_GIVEN: set[int] = set()     # this process's answers so far (never the same port twice)
-
-
-def free_port() -> int:
-    """A TCP port free now, below the kernel's ephemeral range, not given before by this process.
-
-    Why not the kernel's pick (bind to port 0): that comes from the ephemeral range, and tests
-    choose ports up to minutes before the process that listens on one starts (a scenario's
-    second process group); meanwhile any outgoing connection may be given the same port as its
-    local end (gloo opens many), and the listener then fails with EADDRINUSE (seen on the verl
-    0.9 backend test's delegated group). Ports below the range are only ever taken by explicit
-    binds."""
-    import random
-    low, _high = _ephemeral_ports()
-    pick = random.SystemRandom()
-    for _ in range(500):
-        port = pick.randrange(max(1024, low - 16384), low)
-        if port in _PORTS_GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _PORTS_GIVEN.add(port)
-        return port
-    with socket.socket() as s:     # nothing free below the range: the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(module: str, function: str, world: int, *args: Any, env: dict | None = None,

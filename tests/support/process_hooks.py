@@ -7,14 +7,17 @@ process; the multiprocess-engine fixture's own sitecustomize calls this too).
   simulated one would load other kernels and share compile caches with it.
 - TorchInductor's vector-ISA build checks remembered across processes, a test-harness speed
   cache (:mod:`tests.support.isa_probe_cache`; ``ARP_TEST_ISA_PROBE_CACHE=0`` turns it off).
+- ``VLLM_PORT`` leased per process when it imports vLLM, below the ephemeral range and never
+  the same as another process's (:mod:`tests.support.ports`; ``ARP_TEST_VLLM_PORT_LEASE=0`` turns
+  it off): the suites that CI runs at once otherwise race for vLLM's port-0 picks.
 
-Both are wrapt post-import hooks: nothing heavy is imported until the process imports torch."""
+All three are wrapt post-import hooks: nothing heavy is imported until the process imports torch."""
 
 from __future__ import annotations
 
 import os
 
-from tests.support import cpu_isa, isa_probe_cache
+from tests.support import cpu_isa, isa_probe_cache, ports
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_site")
 
@@ -22,3 +25,4 @@ SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "suite_site"
 def install_in_this_process() -> None:
     cpu_isa.apply_from_env()
     isa_probe_cache.install_from_env()
+    ports.install_vllm_port_lease()
