@@ -3,9 +3,12 @@
 Why: the planner regroups where its cost model says HDP is faster, and the model is only as
 good as its calibration (the shipped default is not calibrated at all). So the promise "never
 slower than CP" is checked against the clock: every training step's forward/backward (the
-Megatron-Core schedule call verl already makes) is timed, the time synchronized over the
-ranks (the largest, since the step waits for the slowest rank), and recorded with what the
-plan of that step modelled:
+Megatron-Core schedule call verl already makes) is timed and recorded with what the plan of
+that step modelled. Each data-parallel replica plans its own rows, so its modelled times are
+its own; the measured time, the modelled times and whether the step regrouped are
+synchronized over the ranks together, in one all-reduce (MAX: the step waits for the slowest
+replica, and it counts as regrouped where any replica regrouped), and every rank records the
+same numbers:
 
 - steps that ran plain CP everywhere measure how the model's CP times map to reality:
   ``scale = sum(measured) / sum(modelled CP)`` over those steps;
@@ -25,10 +28,12 @@ known (the planner regrouped everything), the guard asks for a *probe*: the next
 mini-batch keeps plain CP, and again after every ``probe_every`` regrouped steps, so the
 scale stays current.
 
-The verdict is taken on every rank from the same synchronized numbers and then all-reduced
-(MAX) over the whole world, because a rank that stopped planning while others still plan
+Every rank of the world therefore holds the same records and takes the same verdict at the
+same step, without a second collective: a rank that stopped planning while others still plan
 would leave the planner's data-parallel collectives waiting (and pipeline stages must agree on
-the layout of every micro-batch).
+the layout of every micro-batch). Comparing the synchronized measured time with a rank's own
+modelled CP time instead gave different verdicts on different ranks (a replica holding short
+rows models CP fast and reads HDP as slower) and, agreed by MAX, turned a faster HDP off.
 
 :class:`HdpGuard` is the decision alone (pure Python, unit-tested with recorded timings);
 :func:`timed_schedule` is the wrapper around Megatron-Core's forward/backward schedules.
@@ -46,18 +51,20 @@ from ...patching.fallback import fall_back
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One timed forward/backward step and what its plan modelled."""
+    """One timed forward/backward step and what its plans modelled, the same on every rank
+    (each field synchronized over the ranks: the largest, or any for ``regrouped``)."""
 
     measured_s: float  # wall-clock seconds, the largest over the ranks
-    modelled_s: float  # the plan's modelled seconds (sum over its micro-batches)
-    modelled_cp_s: float  # the same micro-batches under plain CP, modelled
-    regrouped: bool  # some micro-batch ran regrouped (not plain CP)
+    modelled_s: float  # the plan's modelled seconds (sum over its micro-batches), largest over the ranks
+    modelled_cp_s: float  # the same micro-batches under plain CP, modelled, largest over the ranks
+    regrouped: bool  # some micro-batch of some replica ran regrouped (not plain CP)
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """What the guard needs to know of a planned step, noted when its micro-batches are formed
-    and used when its forward/backward is timed."""
+    and used when its forward/backward is timed. This replica's own plan (its own rows):
+    synchronized with the measured time before it is recorded."""
 
     num_micro_batches: int
     modelled_s: float
@@ -193,8 +200,10 @@ def timed_schedule(enabled, guard: HdpGuard = GUARD, clock=time.perf_counter):
     and the two pipelined ones, keyword-only ``num_microbatches`` / ``forward_only``): times a
     training step whose micro-batches the planner formed, records it, and falls back when the
     verdict says HDP is slower. Forward-only calls (log-probabilities) and steps without a
-    noted plan for that many micro-batches run untouched. ``clock``: seconds (tests pass
-    recorded timings through it)."""
+    noted plan for that many micro-batches run untouched. A timed step pays one all-reduce of
+    four numbers (measured, modelled, modelled CP, regrouped), after which every rank records
+    the same step and reaches the same verdict. ``clock``: seconds (tests pass recorded
+    timings through it)."""
 
     def _wrapper(wrapped, instance, args, kwargs):
         plan, guard.pending = guard.pending, None  # a noted plan is for the next schedule call
@@ -205,12 +214,11 @@ def timed_schedule(enabled, guard: HdpGuard = GUARD, clock=time.perf_counter):
         start = clock()
         out = wrapped(*args, **kwargs)
         _device_synchronize()
-        measured = _all_reduce_max([clock() - start])[0]
-        verdict = guard.record(StepRecord(measured, plan.modelled_s, plan.modelled_cp_s,
-                                          plan.regrouped))
-        slower = _all_reduce_max([1.0 if verdict.hdp_slower else 0.0])[0] > 0
-        if slower:
-            guard.fall_back_now(verdict.why or "another rank measured it")
+        measured, modelled, modelled_cp, regrouped = _all_reduce_max(
+            [clock() - start, plan.modelled_s, plan.modelled_cp_s, 1.0 if plan.regrouped else 0.0])
+        verdict = guard.record(StepRecord(measured, modelled, modelled_cp, regrouped > 0))
+        if verdict.hdp_slower:
+            guard.fall_back_now(verdict.why)
         return out
 
     return _wrapper
