@@ -21,6 +21,31 @@ def needs(parser: argparse.ArgumentParser, *modules: str) -> None:
     parser.set_defaults(needs=(parser.prog, modules))
 
 
+def uses_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare that a (sub)command reports or acts on the ``ASCEND_RL_*`` flags: :func:`main`
+    validates them first, as activation would (bad values, misspelled names, ASCEND_RL_DISABLE
+    items that name nothing), and stops with the message and exit status 2 instead of
+    reporting a configuration the plugin would refuse."""
+    parser.set_defaults(uses_flags=parser.prog)
+
+
+def _flags_refused(prog: str) -> bool:
+    """Validate every flag for ``prog`` (see :func:`uses_flags`); True when it printed why not."""
+    from . import flags
+    try:
+        flags.validate_all(misspellings=True)  # what activation would refuse
+    except flags.FlagError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
+def _error(prog: str, message: str) -> int:
+    """One line on stderr, argparse's shape (``PROG: error: ...``), exit status 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def missing_modules(modules) -> list[str]:
     """Those of ``modules`` that cannot be imported here (found without importing them)."""
     import importlib.util
@@ -47,21 +72,24 @@ def _load() -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from . import doctor, flags
+    from . import doctor
 
-    try:
-        flags.validate_all(misspellings=True)  # what activation would refuse
-    except flags.FlagError as exc:
-        print(f"ascend-rl doctor: {exc}", file=sys.stderr)
-        return 2
     python = args.python
     roots = None
     title = f"ascend-rl doctor: installed packages of {sys.executable}"
+    where = sys.executable
     if args.stack:
-        path, roots, venv_py = doctor.stack_roots(args.stack)
+        try:
+            path, roots, venv_py = doctor.stack_roots(args.stack)
+        except doctor.StackNotFound as exc:
+            return _error("ascend-rl doctor", f"--stack {exc}")
         python = python or venv_py
         title = f"ascend-rl doctor: stack {path}"
+        where = f"the stack {path}"
     rows, conflicts = doctor.diagnose(roots, python, args.do_import)
+    served, missing = doctor.served_packages(rows)
+    # nothing the plugin patches is here: every row is 'n/a', which must not read as healthy
+    nothing_served = doctor.nothing_served_message(missing, where) if served and missing == served else ""
     notes = doctor.feature_notes(roots)
     extensions = doctor.extension_notes(roots)
     if args.removal:
@@ -77,14 +105,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                           "conflicts": conflicts, "features_not_applicable": [n.as_dict() for n in notes if not n.advice],
                           "feature_advice": [n.as_dict() for n in notes if n.advice],
                           "features_through_extension_points": [e.as_dict() for e in extensions],
+                          "packages_not_installed": missing, "nothing_served": nothing_served,
                           # the CLI inspects, never applies: both stay empty (tests hold it to that)
                           "activated_in_this_process": plugin.activated_by(),
                           "applied_in_this_process": [s["patch"] for s in plugin.status()
                                                       if s["state"] in ("applied", "pending")]},
                          indent=2))
     else:
-        doctor.render(rows, conflicts, title, notes=notes, wide=args.wide, extensions=extensions)
-    return 1 if any(r.problem for r in rows) or conflicts or any(n.problem for n in notes) else 0
+        doctor.render(rows, conflicts, title, notes=notes, wide=args.wide, extensions=extensions,
+                      nothing_served=nothing_served)
+    if nothing_served and args.json:
+        print(f"ascend-rl doctor: {nothing_served}", file=sys.stderr)
+    return 1 if any(r.problem for r in rows) or conflicts or any(n.problem for n in notes) or nothing_served else 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -97,6 +129,9 @@ def cmd_env(args: argparse.Namespace) -> int:
         try:
             value = f.value
             shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            unknown_items = f.unknown_items_error()  # e.g. an ASCEND_RL_DISABLE item naming nothing
+            if unknown_items is not None:
+                raise unknown_items
         except flags.FlagError as exc:
             shown, bad = f"INVALID: {exc}", bad + 1
         rows.append({"flag": f.name, "value": shown, "source": source, "default": str(f.default),
@@ -130,20 +165,39 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def _stacks(names: list[str]) -> dict[str, list[str]]:
+    """Source roots of each named stack; raises doctor.StackNotFound for one that is not."""
     from . import doctor
     return {os.path.basename(n.rstrip("/")): doctor.stack_roots(n)[1] for n in names}
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
     from . import doctor
-    print(doctor.markdown_table(_stacks(args.stacks)))
+    try:
+        stacks = _stacks(args.stacks)
+    except doctor.StackNotFound as exc:
+        return _error("ascend-rl conformance", f"stack {exc}")
+    print(doctor.markdown_table(stacks))
     return 0
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    from . import docs
+    from . import docs, doctor
     repo = os.path.abspath(args.repo)
-    stacks = _stacks(args.stacks) if args.stacks else None
+    missing = docs.missing_readmes(repo)
+    front = os.path.join(repo, "README.md")
+    if front in missing:
+        return _error("ascend-rl docs", f"--repo {repo} is not a checkout of ascend-rl-plugins (it has no "
+                                        f"README.md), so nothing was checked or written; the generated tables "
+                                        f"are blocks of a source checkout's READMEs: pass --repo CHECKOUT, or "
+                                        f"run the ascend-rl of an editable install (pip install -e CHECKOUT)")
+    if missing:
+        return _error("ascend-rl docs", "missing README(s): " + ", ".join(missing) + "; every feature "
+                                        "keeps a README.md with its generated blocks (copy the markers "
+                                        "from another feature's)")
+    try:
+        stacks = _stacks(args.stacks) if args.stacks else None
+    except doctor.StackNotFound as exc:
+        return _error("ascend-rl docs", f"--stacks {exc}")
     out = docs.stale(repo, stacks, write=args.write)
     for path in out:
         print(("rewrote " if args.write else "stale: ") + os.path.relpath(path, repo))
@@ -169,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--wide", action="store_true",
                    help=f"every column, {WIDE_COLUMNS} characters wide (default: the terminal's width, COLUMNS)")
     d.set_defaults(func=cmd_doctor)
+    uses_flags(d)
     e = sub.add_parser("env", help="every flag: value, source and meaning")
     e.add_argument("--json", action="store_true")
     e.add_argument("--wide", action="store_true",
@@ -202,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_modules(modules)
     if missing:
         print(_missing_message(prog, missing), file=sys.stderr)
+        return 2
+    if getattr(args, "uses_flags", None) and _flags_refused(args.uses_flags):
         return 2
     try:
         return args.func(args) or 0

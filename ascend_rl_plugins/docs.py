@@ -98,8 +98,17 @@ def render(text: str, feature: str | None, stacks: Mapping[str, Sequence[str]] |
     return _BLOCK.sub(fill, text)
 
 
+def missing_readmes(repo: str) -> list[str]:
+    """The READMEs :func:`stale` reads that do not exist: with ``repo/README.md`` among them,
+    ``repo`` is no checkout of this project (an installed package has no front README to
+    regenerate), and nothing can be checked or written."""
+    return [path for path in readme_files(repo) if not os.path.exists(path)]
+
+
 def stale(repo: str, stacks: Mapping[str, Sequence[str]] | None = None, write: bool = False) -> list[str]:
-    """READMEs whose generated blocks differ from the declarations (rewritten when ``write``)."""
+    """READMEs whose generated blocks differ from the declarations (rewritten when ``write``).
+    A missing README is listed as ``PATH (missing)`` and never written: check
+    :func:`missing_readmes` first (``ascend-rl docs`` refuses to run with any missing)."""
     out = []
     for path, feature in readme_files(repo).items():
         if not os.path.exists(path):

@@ -22,17 +22,28 @@ def cache_dir() -> str:
     return os.environ.get("ASCEND_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ascend-rl")
 
 
+class StackNotFound(ValueError):
+    """A stack named on the command line is neither a directory nor a built stack. The message
+    leaves out the command and option: each command that takes stacks (doctor --stack,
+    conformance, docs --stacks) prefixes its own."""
+
+
 def stack_roots(stack: str) -> tuple[str, list[str], str | None]:
     """(stack dir, source roots, python of its venv or None) for a name or a directory."""
     path = stack
     if not os.path.isdir(path):
-        named = os.path.join(cache_dir(), "stacks", stack)
-        if os.path.isdir(named):
+        built = os.path.join(cache_dir(), "stacks")
+        named = os.path.join(built, stack)
+        if not os.path.isabs(stack) and os.path.isdir(named):
             path = named
         else:
-            raise SystemExit(f"ascend-rl doctor: --stack {stack!r} is neither a directory nor a built "
-                             f"stack under {os.path.join(cache_dir(), 'stacks')} (build one with "
-                             f"`bash .ci/stack.sh recipe|current`)")
+            names = sorted(d for d in os.listdir(built) if os.path.isdir(os.path.join(built, d))) \
+                if os.path.isdir(built) else []
+            raise StackNotFound(
+                f"{stack!r} is neither a directory nor a stack built under {built} "
+                f"({'built there: ' + ', '.join(names) if names else 'none is built there'}); accepted: "
+                f"a stack directory (an unpacked source tree or a venv), or the name of a stack built "
+                f"with `bash .ci/stack.sh recipe|current`")
     roots = [os.path.realpath(path)]
     src = os.path.join(path, "src")
     if os.path.isdir(src):
@@ -89,6 +100,22 @@ def find_conflicts(rows: list[Row]) -> list[str]:
                 if why:
                     problems.append(why)
     return problems
+
+
+def served_packages(rows: Sequence[Row]) -> tuple[list[str], list[str]]:
+    """(every distribution the patches target, those of them absent from the checked stack)."""
+    served = sorted({r.dist for r in rows if r.dist})
+    present = {r.dist for r in rows if r.dist and r.version_state != "absent"}
+    return served, [d for d in served if d not in present]
+
+
+def nothing_served_message(missing: Sequence[str], where: str) -> str:
+    """The problem when none of the packages the plugin patches is installed: every patch is
+    'n/a' and the report looks clean, yet nothing would apply (e.g. the plugin installed into
+    the wrong venv)."""
+    return (f"none of the packages ascend-rl patches is installed in {where}: {', '.join(missing)} "
+            f"are all missing, so no patch can apply here. Install ascend-rl-plugins into the venv that "
+            f"runs vLLM / verl / Megatron-Core, or point doctor at that stack with --stack DIR.")
 
 
 def run_import_probe(python: str | None) -> dict[str, dict]:
@@ -214,7 +241,7 @@ def is_narrow(out, wide: bool) -> bool:
 
 def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
            notes: Sequence[FeatureNote] = (), wide: bool = False,
-           extensions: Sequence[ExtensionNote] = ()) -> None:
+           extensions: Sequence[ExtensionNote] = (), nothing_served: str = "") -> None:
     from rich.table import Table
 
     out = console(stream, wide)
@@ -256,7 +283,12 @@ def render(rows: list[Row], conflicts: list[str], title: str, stream=None,
     for e in extensions:
         out.print(f"[green]feature applies[/green] (an upstream extension point, enable it in your config): "
                   f"{e.feature}: {e.how}", markup=True, highlight=False, overflow="fold")
-    bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes)
+    served, missing = served_packages(rows)
+    if nothing_served:
+        out.print(f"[red]PROBLEM[/red] {nothing_served}", highlight=False)
+    elif missing:
+        out.print(f"not installed here (their patches are n/a): {', '.join(missing)}", highlight=False)
+    bad = sum(r.problem for r in rows) + len(conflicts) + sum(n.problem for n in notes) + bool(nothing_served)
     will = sum(r.verdict == "will apply" for r in rows)
     out.print(f"{len(rows)} patches: {will} will apply, {bad} problem(s).")
     out.print("Leave any patch or whole feature unapplied with ASCEND_RL_DISABLE=<patch or feature>[,...] "

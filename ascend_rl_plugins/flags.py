@@ -43,14 +43,31 @@ class Flag:
     # Converts an alias's raw text into the canonical raw text (e.g. a seed variable that
     # held a path where the canonical flag holds "path | preset").
     alias_map: Callable[[str, str], str] | None = field(default=None, compare=False)
+    # A list flag whose items must be names that are declared only once every feature is
+    # loaded (ASCEND_RL_DISABLE: patch and feature names): ``item_names`` returns them, and
+    # ``item_doc`` says what they are in the "accepted" text. Checked by validate_all with
+    # ``misspellings=True`` (activation and doctor, after loading every feature), not by parse,
+    # which may run before the names exist.
+    item_names: Callable[[], Iterable[str]] | None = field(default=None, compare=False)
+    item_doc: str = ""
 
     # -- parsing -------------------------------------------------------------
+    @property
+    def is_mode_switch(self) -> bool:
+        """An ``off|...|on`` enum: a feature's switch with modes. It also takes the bool
+        spellings (1/true/yes for 'on', 0/false/no for 'off'), as every switch does, so that
+        ``=1`` means the same under the canonical name as under a recipe alias that was a bool."""
+        return self.kind == "enum" and OFF in self.choices and "on" in self.choices
+
     def accepted(self) -> str:
         if self.kind == "bool":
             return "one of 1/0, true/false, yes/no, on/off"
         if self.kind == "enum":
-            return "one of " + ", ".join(repr(c) for c in self.choices)
+            return "one of " + ", ".join(repr(c) for c in self.choices) + (
+                " (1/true/yes mean 'on', 0/false/no 'off')" if self.is_mode_switch else "")
         if self.kind == "list":
+            if self.item_doc:
+                return f"a comma-separated list of {self.item_doc}"
             return "a comma-separated list" + (
                 f" of {', '.join(repr(c) for c in self.choices)}" if self.choices else ""
             )
@@ -62,16 +79,22 @@ class Flag:
         return {"int": "an integer", "float": "a number", "str": "a string",
                 "path": "a file path"}[self.kind] + rng
 
+    def error(self, raw: str, source: str | None = None, why: str = "") -> FlagError:
+        """The one message for a bad value: the variable (and the flag it is an alias of), the
+        value, why, what is accepted and what the flag does."""
+        source = source or self.name
+        via = "" if source == self.name else f" (alias of {self.name})"
+        return FlagError(
+            f"{source}{via}={raw!r} is not valid{': ' + why if why else ''}; "
+            f"accepted: {self.accepted()}. {self.doc}"
+        )
+
     def parse(self, raw: str, source: str | None = None) -> Any:
         source = source or self.name
         text = raw.strip()
 
         def bad(why: str = "") -> FlagError:
-            via = "" if source == self.name else f" (alias of {self.name})"
-            return FlagError(
-                f"{source}{via}={raw!r} is not valid{': ' + why if why else ''}; "
-                f"accepted: {self.accepted()}. {self.doc}"
-            )
+            return self.error(raw, source, why)
 
         if self.kind == "bool":
             low = text.lower()
@@ -92,6 +115,8 @@ class Flag:
             return value
         if self.kind == "enum":
             low = text.lower()
+            if low not in self.choices and self.is_mode_switch:
+                low = "on" if low in _TRUE else OFF if low in _FALSE else low
             if low not in self.choices:
                 raise bad()
             return low
@@ -129,6 +154,25 @@ class Flag:
         """Parse from ``env`` (default: ``os.environ``) without caching."""
         raw, source = self.lookup(os.environ if env is None else env)
         return self.default if raw is None else self.parse(raw, source)
+
+    def unknown_items_error(self, env: Mapping[str, str] | None = None) -> FlagError | None:
+        """For a flag with ``item_names``: the error for items of its value that name nothing
+        declared (with the closest name, when one is alike), or None. Call it once every feature
+        is declared."""
+        if self.item_names is None:
+            return None
+        raw, source = self.lookup(os.environ if env is None else env)
+        if raw is None:
+            return None
+        known = list(self.item_names())
+        wrong = [item for item in self.parse(raw, source) if item not in known]
+        if not wrong:
+            return None
+        described = []
+        for item in wrong:
+            close = difflib.get_close_matches(item, known, n=1, cutoff=0.6)
+            described.append(f"{item!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return self.error(raw, source, f"unknown item(s) {', '.join(described)}")
 
     @property
     def value(self) -> Any:
@@ -185,13 +229,20 @@ class _Registry:
 
     def validate_all(self, misspellings: bool = False) -> None:
         """Parse every flag now; raise one FlagError listing every bad variable (and, with
-        ``misspellings``, every unknown variable that misspells a declared flag)."""
+        ``misspellings``, every name that matches nothing declared: an unknown variable that
+        misspells a declared flag, an ASCEND_RL_DISABLE item that names no patch or feature.
+        Pass it only once every feature is declared: activation and doctor do)."""
         errors = []
         for flag in self.flags.values():
             try:
                 self.value(flag)
             except FlagError as exc:
                 errors.append(str(exc))
+                continue
+            if misspellings:
+                unknown = flag.unknown_items_error()
+                if unknown is not None:
+                    errors.append(str(unknown))
         if misspellings:
             errors += [unknown_message(name) for name in near_misses()]
         if errors:
@@ -223,7 +274,8 @@ _REGISTRY = _Registry()
 def define(name: str, kind: str, default: Any, doc: str, *, aliases: Iterable[str] = (),
            choices: Sequence[str] = (), minimum: float | None = None,
            maximum: float | None = None, feature: str = "",
-           alias_map: Callable[[str, str], str] | None = None) -> Flag:
+           alias_map: Callable[[str, str], str] | None = None,
+           item_names: Callable[[], Iterable[str]] | None = None, item_doc: str = "") -> Flag:
     """Declare a flag. Names must be ``ASCEND_RL_<FEATURE>[_<OPTION>]``."""
     if not name.startswith(PREFIX) or name != name.upper():
         raise FlagError(f"flag name {name!r} must be upper case and start with {PREFIX}")
@@ -233,7 +285,7 @@ def define(name: str, kind: str, default: Any, doc: str, *, aliases: Iterable[st
         raise FlagError(f"flag {name}: an enum needs choices")
     return _REGISTRY.add(Flag(name, kind, default, doc, tuple(aliases),
                               tuple(c.lower() for c in choices) if kind == "enum" else tuple(choices),
-                              minimum, maximum, feature, alias_map))
+                              minimum, maximum, feature, alias_map, item_names, item_doc))
 
 
 def all_flags() -> list[Flag]:
@@ -298,9 +350,21 @@ AUTOLOAD = define("ASCEND_RL_AUTOLOAD", "bool", True,
                   "Activate the patches when ascend_rl_plugins is imported (0: only through "
                   "the vLLM/verl entry points or an explicit ascend_rl_plugins.activate()).",
                   feature="framework")
+
+
+def _disable_names() -> list[str]:
+    """What ASCEND_RL_DISABLE takes: 'all', every declared feature and every patch name. Read
+    from the patch registry when validated (imported here, not at the top: the registry's
+    module imports this one)."""
+    from .patching.core import REGISTRY
+    return ["all", *REGISTRY.features, *REGISTRY.patches]
+
+
 DISABLE = define("ASCEND_RL_DISABLE", "list", (),
                  "Comma-separated patch or feature names to leave unapplied even when their "
-                 "flag is on ('all' disables every patch).", feature="framework")
+                 "flag is on ('all' disables every patch).", feature="framework",
+                 item_names=_disable_names,
+                 item_doc="patch or feature names as `ascend-rl doctor` lists them, or 'all'")
 LOG_LEVEL = define("ASCEND_RL_LOG_LEVEL", "enum", "warning",
                    "Log level of the ascend_rl_plugins logger.",
                    choices=("debug", "info", "warning", "error"), feature="framework")

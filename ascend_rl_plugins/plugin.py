@@ -48,8 +48,9 @@ def activate(origin: str = "api") -> None:
     """Declare all features, validate every flag, and apply (or arm) enabled patches.
 
     Raises :class:`ascend_rl_plugins.flags.FlagError` when a flag is invalid, or when an
-    unknown ``ASCEND_RL_*`` variable misspells a flag (``ASCEND_RL_SAMM``): at plugin load,
-    never later inside a step. The entry points turn it into :func:`exit_on_bad_flags`.
+    unknown ``ASCEND_RL_*`` variable misspells a flag (``ASCEND_RL_SAMM``), or when an
+    ``ASCEND_RL_DISABLE`` item names no patch or feature (``gc-off``): at plugin load, never
+    later inside a step. The entry points turn it into :func:`exit_on_bad_flags`.
     """
     with _lock:
         _activated_by.append(origin)

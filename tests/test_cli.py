@@ -92,3 +92,11 @@ def test_mismatch_on_a_non_numeric_value_is_one_line_naming_the_argument(tmp_pat
                         ["mismatch", "--trainer", str(tmp_path / "r.jsonl"), "--rollout", str(tmp_path / "r.jsonl"),
                          "--clip", "wide"])
     assert clip["code"] == 2 and "argument --clip: invalid float value: 'wide'" in clip["stderr"], clip
+
+
+def test_docs_outside_a_checkout_says_so_and_writes_nothing(tmp_path):
+    """It printed 'rewrote README.md (missing)' and exited 0, having written nothing."""
+    proc = _run([sys.executable, "-m", "ascend_rl_plugins"], "docs", "--repo", str(tmp_path), "--write")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "rewrote" not in proc.stdout and os.listdir(tmp_path) == []
+    assert proc.stderr.startswith(f"ascend-rl docs: error: --repo {tmp_path} is not a checkout"), proc.stderr

@@ -256,3 +256,52 @@ def test_doctor_at_100_columns_takes_one_line_per_patch_and_wide_shows_every_col
     wide = _lines("doctor", "--wide", columns=100)
     assert "target found" in "\n".join(wide) and "target found" not in "\n".join(narrow)
     assert max(len(line) for line in wide) > 100
+
+
+def test_doctor_fails_naming_the_packages_when_none_it_patches_is_installed(tmp_path):
+    """Every patch 'n/a' read as '0 problem(s)', exit 0: the plugin installed into the wrong venv
+    looked healthy. With none of the patched packages present, doctor says which are missing
+    and exits 1 (an empty stack directory stands for such a venv)."""
+    empty = tmp_path / "no-packages"
+    empty.mkdir()
+    proc = _cli("doctor", "--stack", str(empty))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    said = " ".join(proc.stdout.split())  # the table wraps the message at the terminal's width
+    assert "none of the packages ascend-rl patches is installed" in said, said[-2000:]
+    assert "megatron-core, mindspeed, verl, vllm, vllm-ascend are all missing" in said, said[-2000:]
+    data = json.loads(_cli("doctor", "--stack", str(empty), "--json").stdout)
+    assert data["packages_not_installed"] == ["megatron-core", "mindspeed", "verl", "vllm", "vllm-ascend"]
+    assert data["nothing_served"]
+
+
+def test_doctor_refuses_a_disable_item_that_names_nothing():
+    """ASCEND_RL_DISABLE=gc-off matched no patch, so gc_off's patches still 'will apply' and doctor
+    exited 0: it now refuses it as activation does, with the name meant."""
+    proc = _cli("doctor", env={"ASCEND_RL_DISABLE": "gc-off"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ASCEND_RL_DISABLE='gc-off'" in proc.stderr and "did you mean 'gc_off'?" in proc.stderr, proc.stderr
+
+
+def test_doctor_with_a_stack_that_is_not_there_is_a_usage_error():
+    proc = _cli("doctor", "--stack", "/nonexistent")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert line.startswith("ascend-rl doctor: error: --stack '/nonexistent' is neither a directory"), line
+    assert "accepted: a stack directory" in line, line
+
+
+def test_conformance_names_itself_and_its_own_argument_for_a_missing_stack():
+    """It said 'ascend-rl doctor: --stack ...': a command and an option the user did not type."""
+    proc = _cli("conformance", "/nonexistent")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = proc.stderr.strip()
+    assert line.startswith("ascend-rl conformance: error: stack '/nonexistent'"), line
+    assert "doctor" not in line and "--stack" not in line, line
+
+
+def test_router_refuses_a_flag_value_doctor_refuses():
+    """The router command printed its config line under ASCEND_RL_ROUTER_KV_BUDGET=-3."""
+    proc = _cli("router", env={"ASCEND_RL_ROUTER_KV_BUDGET": "-3"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and "ASCEND_RL_ROUTER_KV_BUDGET='-3'" in proc.stderr, proc.stdout + proc.stderr
+    assert "accepted: a number in [0.05, 16]" in proc.stderr, proc.stderr

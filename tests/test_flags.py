@@ -117,3 +117,37 @@ def test_an_off_auto_on_enum_switches_its_feature_off_only_at_off(monkeypatch):
     plain = flags.define("ASCEND_RL_T_POLICY", "enum", "first", "p", choices=("first", "all"))
     assert plain.switched_on
     assert not flags.define("ASCEND_RL_T_SWITCH", "bool", False, "s").switched_on
+
+
+def test_a_disable_item_that_names_no_patch_or_feature_is_refused_at_plugin_load(monkeypatch):
+    """ASCEND_RL_DISABLE=gc-off names nothing: ignoring it would leave gc_off's patches applied
+    while the user believes them off. Activation refuses it, with the closest name and what is
+    accepted; real names (a feature, a patch, 'all') pass."""
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.patching.core import REGISTRY
+    monkeypatch.setenv("ASCEND_RL_DISABLE", "gc_off,gc-off")
+    with pytest.raises(flags.FlagError) as err:
+        plugin.activate("test")
+    msg = str(err.value)
+    assert "ASCEND_RL_DISABLE='gc_off,gc-off'" in msg and "'gc-off' (did you mean 'gc_off'?)" in msg, msg
+    assert "accepted: a comma-separated list of patch or feature names" in msg, msg
+    assert plugin.activated_by() == []
+    patch = next(name for name in REGISTRY.patches if name.startswith("gc_off."))
+    monkeypatch.setenv("ASCEND_RL_DISABLE", f"gc_off,{patch},all")
+    flags.reset_cache()
+    flags.validate_all(misspellings=True)
+
+
+@pytest.mark.parametrize("raw", ["1", "0", "true", "false", "yes", "no", "on", "off", "auto", "Auto"])
+def test_an_off_auto_on_mode_takes_the_same_values_under_its_name_and_its_alias(raw):
+    """ASCEND_RL_MOE_RESHARD=1 was refused while its recipe alias ALL_TO_ALL_RESHARD=1 meant 'on':
+    an off|...|on mode takes the bool spellings under either name, with the same meaning."""
+    from ascend_rl_plugins.features import moe_reshard
+    canonical = moe_reshard.MODE.read({"ASCEND_RL_MOE_RESHARD": raw})
+    assert canonical == moe_reshard.MODE.read({"ALL_TO_ALL_RESHARD": raw})
+    assert canonical == {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
+        raw, raw.lower())
+    assert "1/true/yes mean 'on'" in moe_reshard.MODE.accepted()
+    for name in ("ASCEND_RL_MOE_RESHARD", "ALL_TO_ALL_RESHARD"):
+        with pytest.raises(flags.FlagError, match="accepted: one of 'off', 'auto', 'on'"):
+            moe_reshard.MODE.read({name: "sometimes"})

@@ -49,23 +49,14 @@ __all__ = ["FEATURE", "MODE", "BUCKET_MB", "POST_LOAD", "register_cli", "reshard
 MODES = ("off", "auto", "on")
 
 
-def _alias_to_mode(alias: str, raw: str) -> str:
-    """The recipe's ``ALL_TO_ALL_RESHARD`` was a switch: 1/true -> on, 0/false -> off."""
-    low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return "on"
-    if low in ("0", "false", "no", "off", ""):
-        return "off"
-    return raw
-
-
 MODE = flags.define(
     "ASCEND_RL_MOE_RESHARD", "enum", "off",
     "Weight sync of MoE experts by all-to-all-v (each expert slice moves once, only to the rollout "
     "ranks whose vLLM hosts it): 'off' (verl's all-gather), 'auto' (when the model has experts and "
     "the plan is valid; otherwise verl's path with a one-line reason), 'on' (an invalid plan is an "
-    "error).", aliases=("ALL_TO_ALL_RESHARD",), choices=MODES, alias_map=_alias_to_mode,
-    feature="moe_reshard")
+    "error).", aliases=("ALL_TO_ALL_RESHARD",), choices=MODES, feature="moe_reshard")
+# The recipe's ALL_TO_ALL_RESHARD was a switch (1/0): an off|auto|on flag takes the bool spellings
+# under either name (flags.Flag.is_mode_switch), so 1 means 'on' whichever name carries it.
 BUCKET_MB = flags.define(
     "ASCEND_RL_MOE_RESHARD_BUCKET_MB", "int", 512,
     "Largest send (and receive) volume per rank of one all-to-all round, in MiB; the executor keeps "

@@ -53,14 +53,71 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# plan's sizes that must be >= 1 (a zero or negative one gives an empty plan, which reads as "nothing
+# to move" instead of a mistake)
+_PLAN_POSITIVE = ("layers", "experts", "hidden", "ffn", "dtype_bytes", "tp", "pp", "vpp", "ep", "etp",
+                  "rollout_tp", "rollout_dp", "ranks_per_node")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def plan_argument_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``plan``'s arguments, in the options the user typed, or None.
+
+    The planner checks the same layout, but in its own terms (``world``, ``etp*ep*pp``,
+    ``layer_stages``): this says it as ``--rollout-tp`` x ``--rollout-dp``, ``--pp-layers`` and so
+    on. What only the planner can tell (expert maps, bucket fits) still comes from it."""
+    for dest in _PLAN_POSITIVE:
+        value = getattr(args, dest)
+        if value < 1:
+            return f"{_option(dest)} {value} must be >= 1"
+    if not args.bucket_mb > 0:
+        return f"--bucket-mb {args.bucket_mb:g} must be > 0 (MiB per rank per round)"
+    world = args.rollout_tp * args.rollout_dp
+    # colocated: the training ranks are the rollout ranks, so the rollout's size is the training world
+    colocated = (f"the world, --rollout-tp {args.rollout_tp} x --rollout-dp {args.rollout_dp} = {world} "
+                 f"(training and rollout share the ranks),")
+    if world % (args.tp * args.pp):
+        return (f"{colocated} is not divisible by --tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}; "
+                f"make it a multiple of {args.tp * args.pp}")
+    expert_grid = args.etp * args.ep * args.pp
+    if world % expert_grid:
+        return (f"{colocated} is not divisible by --etp {args.etp} x --ep {args.ep} x --pp {args.pp} = "
+                f"{expert_grid}; make it a multiple of {expert_grid}")
+    if args.experts % args.ep:
+        return f"--experts {args.experts} is not divisible by --ep {args.ep}; give a multiple of --ep"
+    if args.ffn % args.etp:
+        return f"--ffn {args.ffn} is not divisible by --etp {args.etp}; give a multiple of --etp"
+    if args.no_rollout_ep and args.ffn % world:
+        return (f"--ffn {args.ffn} is not divisible by --rollout-tp {args.rollout_tp} x --rollout-dp "
+                f"{args.rollout_dp} = {world} (with --no-rollout-ep every rollout rank holds a slice of "
+                f"every expert)")
+    if args.pp_layers:
+        try:
+            counts = [int(x) for x in args.pp_layers.split(",")]
+        except ValueError:
+            return f"--pp-layers wants comma-separated layer counts per stage, got {args.pp_layers!r}"
+        if len(counts) != args.pp or any(n < 0 for n in counts) or sum(counts) != args.layers:
+            return (f"--pp-layers {args.pp_layers} must give --pp {args.pp} layer counts (one per pipeline "
+                    f"stage, each >= 0) adding up to --layers {args.layers}; it gives {len(counts)} "
+                    f"adding up to {sum(counts)}")
+    elif args.layers % (args.pp * args.vpp):
+        return (f"--layers {args.layers} do not split evenly into --pp {args.pp} x --vpp {args.vpp} = "
+                f"{args.pp * args.vpp} chunks; give --pp-layers (layers per stage, e.g. 23,24,24,23) "
+                f"for an uneven split")
+    return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .layout import MoEShape, RolloutLayout, TrainingLayout
     from .planner import PlanError, plan
+    wrong = plan_argument_error(args)
+    if wrong is not None:
+        return _fail(f"cannot plan: {wrong}")
     shape = MoEShape(args.layers, args.experts, args.hidden, args.ffn, dtype_bytes=args.dtype_bytes)
-    try:
-        stages = _layer_stages(args.pp_layers)
-    except ValueError as exc:
-        return _fail(str(exc))
+    stages = _layer_stages(args.pp_layers)
     training = TrainingLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp, layer_stages=stages)
     if args.no_rollout_ep:
         rollout = RolloutLayout(args.rollout_tp, args.rollout_dp)

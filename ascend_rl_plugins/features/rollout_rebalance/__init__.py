@@ -269,6 +269,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--migration", action="store_true",
                    help="also print the lines for tail migration with KV (agent-loop manager, KV "
                         "connector); export ASCEND_RL_ROLLOUT_MIGRATION=planned with them")
+    from ...cli import uses_flags
+    uses_flags(p)  # the router reads ASCEND_RL_ROUTER_*: a value it would refuse stops here, as in doctor
 
     def run(args) -> int:
         import os

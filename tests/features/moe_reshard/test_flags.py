@@ -27,7 +27,11 @@ def test_the_recipes_all_to_all_reshard_switch_is_an_alias(raw, mode):
     assert feature.MODE.read({"ALL_TO_ALL_RESHARD": raw, "ASCEND_RL_MOE_RESHARD": "off"}) == "off"
 
 
-@given(st.text(min_size=1, max_size=12).filter(lambda s: s.strip().lower() not in ("off", "auto", "on")))
+# the modes, and the bool spellings every off|auto|on mode takes (1/true/yes = on, 0/false/no/empty = off)
+ACCEPTED = ("off", "auto", "on", "1", "true", "yes", "0", "false", "no", "")
+
+
+@given(st.text(min_size=1, max_size=12).filter(lambda s: s.strip().lower() not in ACCEPTED))
 def test_a_bad_mode_names_the_variable_and_the_accepted_values(raw):
     with pytest.raises(flags.FlagError) as err:
         feature.MODE.read({"ASCEND_RL_MOE_RESHARD": raw})
