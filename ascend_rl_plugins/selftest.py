@@ -137,12 +137,29 @@ def feature_checks() -> list[tuple[str, Callable]]:
     return features.modules_with("selftest_checks")
 
 
+def unknown_features(only, checks) -> str | None:
+    """The error for names in ``only`` that no feature of ``checks`` (``feature_checks()``)
+    answers to, naming the accepted ones; None when every name is known. Why: an unknown name
+    used to select nothing, and an empty table exits 0 -- a typo read as a passing run."""
+    accepted = [name for name, _ in checks]
+    unknown = [name for name in only if name not in accepted]
+    if not unknown:
+        return None
+    return (f"unknown --feature {', '.join(map(repr, unknown))}; the features with device checks are: "
+            f"{', '.join(accepted)}")
+
+
 def run(device, *, quick: bool, only: tuple[str, ...] = (), progress=None, done=None) -> list[CheckResult]:
-    """Every feature's checks on ``device`` (a check that raises becomes a failed row).
+    """Every feature's checks on ``device`` (a check that raises becomes a failed row), or only
+    those of the features named in ``only`` (``ValueError`` for a name no feature has).
     ``progress(feature)`` is called before and ``done(results so far)`` after each feature."""
+    checks = feature_checks()
+    error = unknown_features(only, checks)
+    if error is not None:
+        raise ValueError(error)
     ctx = SelftestContext(device=device, quick=quick, reps=3 if quick else 10)
     results: list[CheckResult] = []
-    for name, fn in feature_checks():
+    for name, fn in checks:
         if only and name not in only:
             continue
         if progress is not None:
@@ -181,7 +198,12 @@ def render(results: list[CheckResult], title: str, width: int | None = None) -> 
 
 
 def main(args) -> int:
-    """The ``ascend-rl selftest`` command (arguments parsed by :mod:`.cli`)."""
+    """The ``ascend-rl selftest`` command (arguments parsed by :mod:`.cli`); exit status 2 for
+    an unknown ``--feature``."""
+    error = unknown_features(tuple(args.feature or ()), feature_checks())
+    if error is not None:
+        print(f"ascend-rl selftest: {error}", file=sys.stderr)
+        return 2
     device = pick_device(args.device)
     title = f"ascend-rl selftest on {describe(device)}{' (quick)' if args.quick else ''}"
     from rich.console import Console
@@ -216,7 +238,8 @@ def register_cli(sub) -> None:
                                         "(bit identity vs the CPU reference, speed vs the replaced formulas)")
     p.add_argument("--device", default="auto", help="auto (npu, else cuda, else xpu, else cpu) or a torch device")
     p.add_argument("--quick", action="store_true", help="small tensors, few repetitions (seconds; what CI runs)")
-    p.add_argument("--feature", action="append", help="only this feature's checks (repeatable)")
+    p.add_argument("--feature", action="append",
+                   help="only this feature's checks (repeatable; an unknown name exits 2, listing the features)")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--strict", action="store_true", help="exit 1 when a speed target is not met")
     p.set_defaults(func=main)

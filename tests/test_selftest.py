@@ -30,6 +30,8 @@ def test_cpu_quick_selftest_passes_and_writes_every_row(tmp_path):
     identity = [r for r in rows if r["check"].startswith("bit identity")]
     refusals = [r for r in rows if r["check"].startswith("refuses")]
     assert len(identity) >= 12 and all(r["ok"] for r in identity)
+    # each against an independent CPU reference, named in the row (flashrl/test_device_checks.py)
+    assert all(r["detail"].startswith("vs ") and "on the CPU" in r["detail"] for r in identity), identity
     assert len(refusals) == 12 and all(r["ok"] for r in refusals)
     assert "ascend-rl selftest on" in proc.stdout
 
@@ -60,3 +62,14 @@ def test_speed_targets_fail_the_run_only_when_strict(monkeypatch):
     monkeypatch.setattr(selftest, "feature_checks", lambda: [("fake", slow)])
     assert selftest.main(_args()) == 0
     assert selftest.main(_args(strict=True)) == 1
+
+
+def test_an_unknown_feature_exits_2_naming_the_accepted_features(capsys):
+    assert selftest.main(_args(feature=["flashrl_typo"])) == 2
+    err = capsys.readouterr().err
+    assert "'flashrl_typo'" in err and "flashrl, int4_qat, moe_reshard" in err, err
+    proc = subprocess.run([sys.executable, "-m", "ascend_rl_plugins", "selftest", "--device", "cpu", "--feature",
+                           "flashrl_typo"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "'flashrl_typo'" in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    with pytest.raises(ValueError, match="flashrl_typo"):
+        selftest.run(None, quick=True, only=("flashrl", "flashrl_typo"))   # before any check runs

@@ -3,9 +3,13 @@
 For each quantizer the rollout reload (and QAT) runs on an accelerator:
 
 * **bit identity**: the public entry point on the device (compiled or eager, whichever this
-  device takes) and the eager torch path on the device, each against the CPU reference (the
-  numba kernel, or the CPU torch path where no kernel exists) on the same input -- codes
-  and scales compared byte for byte;
+  device takes) and the eager torch path on the device, each against an independent CPU
+  reference on a CPU copy of the same input -- codes and scales compared byte for byte. The
+  reference is a numba kernel the package ships (FP8 rows: the block-FP8 kernel with one-row
+  or whole-tensor blocks, the same math), or, for fp16 INT4 codes (no kernel takes fp16), a
+  numpy evaluation of the documented formula. Never the entry point itself: on a CPU the entry
+  point *is* the kernel or the torch path, so comparing it with itself would prove nothing
+  (:class:`IdentityCase` refuses such a row);
 * **speed** (bf16, the reload's case): the entry point against the formula it replaces
   (:mod:`.baselines`), against that formula compiled with ``torch.compile`` ("fused
   reference"), and against the time a single read of the weight plus a single write of the
@@ -17,6 +21,9 @@ For each quantizer the rollout reload (and QAT) runs on an accelerator:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,36 +31,141 @@ FORMULA_TARGET = 1.5
 FUSED_TARGET = 3.0
 
 
+def _called_function(role: str, fn: Callable, case: str):
+    """The function ``fn`` runs: ``functools.partial`` and decorators (``functools.wraps``)
+    unwrapped. A lambda is refused: it hides which function it calls, so the check that a
+    row compares different implementations could not see through it."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn)
+    if getattr(fn, "__name__", "") == "<lambda>":
+        raise TypeError(f"identity case {case!r}: {role} is a lambda; pass the function itself or "
+                        f"functools.partial(function, ...) so the row can tell which function it compares")
+    return fn
+
+
+def _function_name(fn: Callable) -> str:
+    fn = _called_function("reference", fn, "")
+    return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}"
+
+
+@dataclass(frozen=True)
+class IdentityCase:
+    """One bit-identity row: ``ours(w)`` (the public entry point) and ``eager(w)`` (the eager
+    torch path), both on the device, each against ``reference(w.cpu())`` (an independent CPU
+    implementation: a numba kernel the package ships, or a numpy formula where no kernel takes
+    the dtype).
+
+    Why three different functions: on a CPU the entry point dispatches to the numba kernel or
+    to the torch path, so a row whose reference is the entry point again (or whose two sides
+    are one function) passes whatever that function computes. Construction raises
+    ``ValueError`` when two of the three resolve to the same function, ``TypeError`` for a
+    lambda (see :func:`_called_function`)."""
+    name: str
+    ours: Callable
+    eager: Callable
+    reference: Callable
+
+    def __post_init__(self):
+        called = {role: _called_function(role, getattr(self, role), self.name)
+                  for role in ("ours", "eager", "reference")}
+        for (role_a, fn_a), (role_b, fn_b) in itertools.combinations(called.items(), 2):
+            if fn_a is fn_b:
+                raise ValueError(f"identity case {self.name!r}: {role_a} and {role_b} are the same function "
+                                 f"({_function_name(fn_a)}); a bit-identity row must compare different "
+                                 f"implementations")
+
+
 @dataclass(frozen=True)
 class QuantPath:
     """One quantizer as the self-test drives it: ``ours(w)`` (the public entry point),
-    ``eager(w)`` (the torch path), ``baseline(w)`` (the formula it replaces, or None),
+    ``eager(w)`` (the torch path), ``reference(w)`` (the independent CPU reference, see
+    :class:`IdentityCase`), ``baseline(w)`` (the formula it replaces, or None),
     ``out_bytes(n, k)`` (bytes of its result, for the bandwidth limit)."""
     name: str
     ours: Callable
     eager: Callable
+    reference: Callable
     baseline: Callable | None
     out_bytes: Callable
     variants: Callable | None = None   # w -> {compiled variant name: its function}, each timed too
 
+    def __post_init__(self):
+        self.identity_case()   # refuses a path whose reference is not independent
+
+    def identity_case(self) -> IdentityCase:
+        return IdentityCase(self.name, self.ours, self.eager, self.reference)
+
 
 def paths() -> list[QuantPath]:
-    from . import baselines, block_fp8, int4, quant
+    from . import _cpu_kernels, _int4_kernels, baselines, block_fp8, int4, quant
     ct, slime = int4.Int4Spec(128, "ct"), int4.Int4Spec(128, "slime")
     return [
         QuantPath("INT8 rows (W8A8 reload)", quant.quantize_int8_rows, quant.quantize_int8_rows_torch,
-                  baselines.flashrl_int8_rows, lambda n, k: n * k + 4 * n),
+                  _cpu_kernels.quantize_int8_rows_cpu, baselines.flashrl_int8_rows, lambda n, k: n * k + 4 * n),
         QuantPath("FP8 rows, channel (W8A8 FP8 reload)", quant.quantize_fp8_rows,
-                  quant.quantize_fp8_rows_torch, None, lambda n, k: n * k + 4 * n),
-        QuantPath("INT4 pack, ct g128 (W4A16 reload)", lambda w: int4.quantize_pack(w, ct),
-                  lambda w: int4.quantize_pack_torch(w, ct),
+                  quant.quantize_fp8_rows_torch, functools.partial(fp8_rows_by_block_kernel, strategy="channel"),
+                  None, lambda n, k: n * k + 4 * n),
+        QuantPath("INT4 pack, ct g128 (W4A16 reload)", functools.partial(int4.quantize_pack, spec=ct),
+                  functools.partial(int4.quantize_pack_torch, spec=ct),
+                  functools.partial(_int4_kernels.quantize_pack_cpu, spec=ct),
                   lambda w: baselines.slime_int4_quantize_pack(w, 128), lambda n, k: n * k // 2 + 2 * n * k // 128),
-        QuantPath("INT4 pack, slime g128", lambda w: int4.quantize_pack(w, slime),
-                  lambda w: int4.quantize_pack_torch(w, slime),
+        QuantPath("INT4 pack, slime g128", functools.partial(int4.quantize_pack, spec=slime),
+                  functools.partial(int4.quantize_pack_torch, spec=slime),
+                  functools.partial(_int4_kernels.quantize_pack_cpu, spec=slime),
                   lambda w: baselines.slime_int4_quantize_pack(w, 128), lambda n, k: n * k // 2 + 2 * n * k // 128),
-        QuantPath("block FP8 128x128", block_fp8.quantize, block_fp8.quantize_torch, baselines.slime_block_fp8,
-                  lambda n, k: n * k + 4 * (n // 128) * (k // 128), _block_fp8_variants),
+        QuantPath("block FP8 128x128", block_fp8.quantize, block_fp8.quantize_torch, block_fp8_kernel,
+                  baselines.slime_block_fp8, lambda n, k: n * k + 4 * (n // 128) * (k // 128), _block_fp8_variants),
     ]
+
+
+def block_fp8_kernel(w, block=(128, 128)):
+    """The CPU reference of block FP8: the numba kernel ``_int4_kernels.block_fp8_cpu`` called
+    directly (not through ``block_fp8.quantize``, the entry point under test)."""
+    import torch
+    from . import _int4_kernels
+    n, k = w.shape
+    bn, bk = block
+    out = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty((-(-n // bn), -(-k // bk)), dtype=torch.float32)
+    return _int4_kernels.block_fp8_cpu(w, bn, bk, out, scale_inv)
+
+
+def fp8_rows_by_block_kernel(w, strategy: str):
+    """The CPU reference of FP8 rows (no col_smooth / row_gain): per-row ("channel") FP8 is
+    block FP8 with ``1 x in`` blocks, per-tensor FP8 is one ``out x in`` block -- the same
+    float32 ``amax / 448`` scale (zero -> float32 eps), quotient, clamp and ``+ 0`` -- so the
+    block kernel (numba, its own E4M3 rounding) checks the torch path that FP8 rows take on
+    every device. Scales come back in FP8 rows' shapes (``[out, 1]`` / ``[1]``)."""
+    n, k = w.shape
+    if strategy == "channel":
+        return block_fp8_kernel(w, (1, k))
+    if strategy == "tensor":
+        out, scale = block_fp8_kernel(w, (n, k))
+        return out, scale.reshape(1)
+    raise ValueError(f"strategy must be 'channel' or 'tensor', got {strategy!r}")
+
+
+def int4_ct_codes_numpy(w, spec):
+    """The CPU reference of ``int4.quantize`` for fp16 weights, where no numba kernel applies
+    (they take bf16 and float32): the ct formula of ``int4``'s docstring evaluated in numpy --
+    amax in fp16 (exact), ``scale = fp16(float32(amax) / 7.5)``, zero -> fp16 eps, ``code =
+    clamp(rint(fp16(float32(w) / float32(scale))), -8, 7)``. Returns ``(codes int8, scale fp16)``."""
+    import numpy as np
+    import torch
+    if spec.preset != "ct":
+        raise ValueError(f"int4_ct_codes_numpy implements the 'ct' preset only, got spec.preset={spec.preset!r}")
+    if w.dtype != torch.float16:
+        raise ValueError(f"int4_ct_codes_numpy takes fp16 weights (bf16/float32 have the numba kernels), got {w.dtype}")
+    rows, cols = w.numel() // w.shape[-1], w.shape[-1]
+    groups = w.reshape(rows, cols // spec.group_size, spec.group_size).numpy()
+    amax = np.abs(groups).max(axis=-1)
+    scale = (amax.astype(np.float32) / np.float32(spec.divisor)).astype(np.float16)
+    scale[scale == 0] = np.finfo(np.float16).eps
+    quotient = (groups.astype(np.float32) / scale.astype(np.float32)[..., None]).astype(np.float16)
+    codes = np.clip(np.rint(quotient.astype(np.float32)), spec.qmin, spec.qmax).astype(np.int8)
+    return (torch.from_numpy(codes.reshape(w.shape)),
+            torch.from_numpy(scale.reshape(tuple(w.shape[:-1]) + (cols // spec.group_size,))))
 
 
 def _block_fp8_variants(w) -> dict:
@@ -86,45 +198,61 @@ def _weight(shape, dtype, device, seed: int, *, on_device: bool = False):
     return w.to(dtype).to(device)
 
 
-def identity_checks(ctx, shape, extra_shape) -> list:
-    """Every path on ``ctx.device`` vs the CPU reference, bf16 (the reload's dtype) and the
-    other dtypes the quantizers accept."""
+def extra_identity_cases() -> list[tuple[IdentityCase, object]]:
+    """``(case, dtype)`` of the other dtypes and forms the quantizers accept, beyond the bf16
+    reload paths of :func:`paths`."""
     import torch
-    from ...selftest import CheckResult
-    from . import block_fp8, int4, quant
-    results = []
-    cases = [(p, torch.bfloat16) for p in paths()]
-    extra = [
-        ("INT8 rows, float32", quant.quantize_int8_rows, quant.quantize_int8_rows_torch, torch.float32),
-        ("INT4 pack, ct g32, float32", lambda w: int4.quantize_pack(w, int4.Int4Spec(32, "ct")),
-         lambda w: int4.quantize_pack_torch(w, int4.Int4Spec(32, "ct")), torch.float32),
-        ("INT4 codes, ct g64, fp16", lambda w: int4.quantize(w, int4.Int4Spec(64, "ct")),
-         lambda w: int4.quantize_torch(w, int4.Int4Spec(64, "ct")), torch.float16),
-        ("INT4 fake-quant, slime g128, float32", lambda w: int4.fake_quantize(w, int4.Int4Spec(128, "slime")),
-         lambda w: int4.fake_quantize_torch(w, int4.Int4Spec(128, "slime")), torch.float32),
-        ("FP8 rows, tensor", lambda w: quant.quantize_fp8_rows(w, strategy="tensor"),
-         lambda w: quant.quantize_fp8_rows(w, strategy="tensor"), torch.bfloat16),
-        ("block FP8, partial edge blocks", block_fp8.quantize, block_fp8.quantize_torch, torch.bfloat16),
+    from . import _cpu_kernels, _int4_kernels, block_fp8, int4, quant
+    ct32, ct64, slime = int4.Int4Spec(32, "ct"), int4.Int4Spec(64, "ct"), int4.Int4Spec(128, "slime")
+    partial = functools.partial
+    return [
+        (IdentityCase("INT8 rows, float32", quant.quantize_int8_rows, quant.quantize_int8_rows_torch,
+                      _cpu_kernels.quantize_int8_rows_cpu), torch.float32),
+        (IdentityCase("INT4 pack, ct g32, float32", partial(int4.quantize_pack, spec=ct32),
+                      partial(int4.quantize_pack_torch, spec=ct32),
+                      partial(_int4_kernels.quantize_pack_cpu, spec=ct32)), torch.float32),
+        (IdentityCase("INT4 codes, ct g64, fp16", partial(int4.quantize, spec=ct64),
+                      partial(int4.quantize_torch, spec=ct64), partial(int4_ct_codes_numpy, spec=ct64)),
+         torch.float16),
+        (IdentityCase("INT4 fake-quant, slime g128, float32", partial(int4.fake_quantize, spec=slime),
+                      partial(int4.fake_quantize_torch, spec=slime),
+                      partial(_int4_kernels.fake_quantize_cpu, spec=slime)), torch.float32),
+        (IdentityCase("FP8 rows, tensor", partial(quant.quantize_fp8_rows, strategy="tensor"),
+                      partial(quant.quantize_fp8_rows_torch, strategy="tensor"),
+                      partial(fp8_rows_by_block_kernel, strategy="tensor")), torch.bfloat16),
+        (IdentityCase("block FP8, partial edge blocks", block_fp8.quantize, block_fp8.quantize_torch,
+                      block_fp8_kernel), torch.bfloat16),
     ]
-    for i, (p, dtype) in enumerate(cases):
-        w = _weight(shape, dtype, ctx.device, seed=100 + i)
-        results.append(_identity_row(p.name, p.ours, p.eager, w, CheckResult))
-    for i, (name, ours, eager, dtype) in enumerate(extra):
-        s = (extra_shape[0] - 37, extra_shape[1] + 96) if "edge" in name else extra_shape
+
+
+def identity_checks(ctx, shape, extra_shape) -> list:
+    """Every path on ``ctx.device`` vs its independent CPU reference, bf16 (the reload's dtype)
+    and the other dtypes the quantizers accept."""
+    import torch
+    results = []
+    for i, p in enumerate(paths()):
+        w = _weight(shape, torch.bfloat16, ctx.device, seed=100 + i)
+        results.append(identity_row("flashrl", p.identity_case(), w))
+    for i, (case, dtype) in enumerate(extra_identity_cases()):
+        s = (extra_shape[0] - 37, extra_shape[1] + 96) if "edge" in case.name else extra_shape
         w = _weight(s, dtype, ctx.device, seed=200 + i)
-        results.append(_identity_row(name, ours, eager, w, CheckResult))
+        results.append(identity_row("flashrl", case, w))
     return results
 
 
-def _identity_row(name, ours, eager, w, CheckResult):
-    ref = ours(w.cpu())                    # the CPU kernel (or the CPU torch path: fp16, edge blocks)
-    got = _cpu(ours(w))
-    got_eager = _cpu(eager(w))
+def identity_row(feature: str, case: IdentityCase, w):
+    """One bit-identity row of ``feature``: ``case.ours`` and ``case.eager`` on ``w`` (on its
+    device), each byte for byte against ``case.reference`` on a CPU copy of ``w``."""
+    from ...selftest import CheckResult
+    ref = case.reference(w.cpu())
+    got = _cpu(case.ours(w))
+    got_eager = _cpu(case.eager(w))
     ok_ours, ok_eager = _same(got, ref), _same(got_eager, ref)
-    detail = "" if ok_ours and ok_eager else (
-        f"entry point {'==' if ok_ours else '!='} CPU reference, eager torch path "
-        f"{'==' if ok_eager else '!='} CPU reference")
-    return CheckResult("flashrl", f"bit identity: {name} {tuple(w.shape)} {str(w.dtype).replace('torch.', '')}",
+    reference = f"{_function_name(case.reference)} on the CPU"
+    detail = f"vs {reference}" if ok_ours and ok_eager else (
+        f"entry point {'==' if ok_ours else '!='} {reference}, eager torch path "
+        f"{'==' if ok_eager else '!='} {reference}")
+    return CheckResult(feature, f"bit identity: {case.name} {tuple(w.shape)} {str(w.dtype).replace('torch.', '')}",
                        ok_ours and ok_eager, detail)
 
 
