@@ -38,15 +38,18 @@ largest over the ranks. Rank 0 writes the file.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 from .cost_model import CostModel
+
+# the locally spawned ranks' rendezvous: as long as torch's own default for init_process_group
+STORE_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,9 @@ def measure(shape: Shape, sizes: Sizes) -> Report:
                   tuple(errors), model)
 
 
-def _init_group() -> None:
+def _init_group(store=None) -> None:
+    """The process group: from torchrun's environment, or over ``store`` (a client of the
+    launching process's store, for locally spawned ranks)."""
     import torch.distributed as dist
     if dist.is_initialized():
         return
@@ -321,20 +326,37 @@ def _init_group() -> None:
     if device.type != "cpu":
         import torch
         getattr(torch, device.type).set_device(device)
-    dist.init_process_group(backend)
+    if store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def _worker(rank: int, world: int, port: int, shape: Shape, sizes: Sizes, out: str) -> None:
-    """One locally spawned rank (when not launched by torchrun)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run(shape, sizes, out)
-
-
-def run(shape: Shape, sizes: Sizes, out: str) -> Report:
-    """Measure on every rank of the (possibly new) process group; rank 0 writes ``out``."""
+    """One locally spawned rank (when not launched by torchrun): a client of the store the
+    launching process already listens on (:func:`_rendezvous_store`)."""
     import torch.distributed as dist
-    _init_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    run(shape, sizes, out, store=dist.TCPStore("127.0.0.1", port, world, False,
+                                               timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)))
+
+
+def _rendezvous_store():
+    """The locally spawned ranks' store, listening before any rank starts, on a port the kernel
+    picks (``store.port``) and holds until the calibration ends. A port merely found free and
+    handed to the ranks (bind port 0, close, pass the number on) can be taken by any other bind
+    or outgoing connection on the machine before rank 0 listens on it: EADDRINUSE."""
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def run(shape: Shape, sizes: Sizes, out: str, store=None) -> Report:
+    """Measure on every rank of the (possibly new) process group; rank 0 writes ``out``.
+    ``store``: the locally spawned ranks' rendezvous (None under torchrun)."""
+    import torch.distributed as dist
+    _init_group(store)
     try:
         report = measure(shape, sizes)
         if dist.get_rank() == 0:
@@ -348,12 +370,6 @@ def run(shape: Shape, sizes: Sizes, out: str) -> Report:
         return report
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cmd_calibrate(args) -> int:
@@ -380,8 +396,10 @@ def cmd_calibrate(args) -> int:
             return 0
     else:
         import torch.multiprocessing as mp
-        mp.start_processes(_worker, args=(args.nproc, _free_port(), shape, sizes, out),
+        store = _rendezvous_store()
+        mp.start_processes(_worker, args=(args.nproc, store.port, shape, sizes, out),
                            nprocs=args.nproc, start_method="spawn")
+        del store
     with open(out + ".report.json", encoding="utf-8") as fh:
         report = json.load(fh)
     model = CostModel.load(out)

@@ -83,3 +83,37 @@ def test_a_fit_that_noise_makes_non_positive_falls_back_to_a_proportional_one():
     assert fell_back and slope == pytest.approx(sum(n * t for n, t in zip(sizes, [0.009, 0.006, 0.005]))
                                                 / sum(n * n for n in sizes))
     assert slope > 0
+
+
+def test_the_spawned_ranks_rendezvous_port_is_already_listening_when_they_start(monkeypatch, tmp_path):
+    """The port handed to locally spawned ranks must be held by a listening store from the moment
+    it is chosen: a port found free (bind port 0, close) and passed on can be taken by any other
+    bind or outgoing connection before rank 0 listens on it, and the calibration then dies with
+    EADDRINUSE on every rank (the race the verl 0.9 backend had too, issue 44)."""
+    import argparse
+    import socket
+
+    pytest.importorskip("torch")
+    import torch.multiprocessing as mp
+
+    from ascend_rl_plugins.features.hdp import calibrate as calibrate_module
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def start_processes(fn, args, nprocs, start_method):
+        port = args[1]
+        with socket.socket() as s:
+            seen["listening"] = s.connect_ex(("127.0.0.1", port)) == 0
+        seen["nprocs"] = nprocs
+        raise Started
+
+    monkeypatch.setattr(mp, "start_processes", start_processes)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = argparse.Namespace(nproc=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, qk_head_dim=16,
+                              v_head_dim=16, layers=1, tp=1, quick=True, out=str(tmp_path / "m.json"))
+    with pytest.raises(Started):
+        calibrate_module.cmd_calibrate(args)
+    assert seen == {"listening": True, "nprocs": 2}
