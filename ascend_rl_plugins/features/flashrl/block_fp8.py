@@ -95,12 +95,21 @@ TUNE_BYTES = 256 << 20     # the synthetic weight the variants are timed on at f
 
 
 def _fused_usable(weight, bn: int, bk: int, variant: str = "one_graph") -> bool:
+    """The compiled ``variant`` for this weight's dtype and width (whole blocks) passed its
+    first-use check, on probes of that width (its kernels are compiled per width): the tie
+    probe gives :func:`quantize_torch`'s bits, and on the NaN/inf probe exactly the blocks
+    holding a non-finite weight get a non-finite scale (the refusal)."""
     from . import fused
+    k = weight.shape[1]
 
     def check():
-        probe = fused.probe_weight(weight.device, weight.dtype, rows=3 * bn, cols=8 * bk)
-        return all(map(fused.same_bits, _fused(probe, bn, bk, None, None, variant), quantize_torch(probe, (bn, bk))))
-    return fused.usable(f"block_fp8 {variant} {bn}x{bk}", weight, check)
+        ties = fused.probe_weight(weight.device, weight.dtype, rows=3 * bn, cols=k)
+        if not all(map(fused.same_bits, _fused(ties, bn, bk, None, None, variant),
+                       quantize_torch(ties, (bn, bk)))):
+            return False
+        bad = fused.nonfinite_probe(weight.device, weight.dtype, rows=3 * bn, cols=k)
+        return fused.nonfinite_where_expected(_fused(bad, bn, bk, None, None, variant)[1], bad, bn, bk)
+    return fused.usable(f"block_fp8 {variant} {bn}x{bk}", weight, check, f"{k} columns")
 
 
 def _variant(weight, bn: int, bk: int) -> str | None:

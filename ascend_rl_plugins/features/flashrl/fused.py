@@ -27,12 +27,17 @@ Bit identity with the CPU kernels and the eager torch path rests on three rules:
   that rounding is written out as integer ops it cannot drop.
 * **-0.0 made +0.0 by a select**, not by ``+ 0`` (a compiler may fold ``x + 0``).
 
-Nothing is trusted blindly: the first use of each compiled quantizer on a device is checked
-bit for bit against the eager torch path on a probe tensor with crafted rounding ties
-(:func:`verified`); a mismatch or a compile failure logs one WARNING and that quantizer
-falls back to the eager path for the rest of the process. ``ASCEND_RL_FLASHRL_DEVICE_FUSED``
-chooses: ``auto`` (default: compiled where inductor generates code for the device type --
-cuda, xpu -- else eager), ``on`` (require it: a failure raises), ``off`` (eager only).
+Nothing is trusted blindly: the first use of each compiled kernel on a device -- one per
+quantizer, dtype, width and (INT8 / FP8 rows) SmoothQuant factors given, the same things that
+make :func:`compiled` build a separate kernel -- is checked against the eager torch path on
+probes of that width with those factors (:func:`verified`): a probe with crafted rounding ties
+must give the same bits, and a probe holding a NaN, a +inf and a -inf must make exactly the
+scales of their rows, groups or blocks non-finite (the refusal: a compiler whose max reduction
+skips NaN would quantize a NaN weight silently). A mismatch or a compile failure logs one
+WARNING and that kernel falls back to the eager path for the rest of the process.
+``ASCEND_RL_FLASHRL_DEVICE_FUSED`` chooses: ``auto`` (default: compiled where inductor
+generates code for the device type -- cuda, xpu -- else eager), ``on`` (require it: a failure
+raises), ``off`` (eager only).
 NPUs take the eager path under ``auto`` (torch_npu's inductor backend is not verified here).
 """
 
@@ -52,7 +57,7 @@ _LOCK = threading.Lock()
 class _State:
     """Per-process memory of this module: compiled functions and the verdict of each probe."""
     compiled: dict      # (kind, variant, static arguments) -> compiled formula
-    verdicts: dict      # (kind, device type, dtype) -> True (use compiled) / False (eager)
+    verdicts: dict      # (kind and kernel, device type, dtype) -> True (use compiled) / False (eager)
     reasons: dict       # same keys -> why the compiled form is not used
     warned: set
     choices: dict       # a quantizer's compiled variant per (kind, device type, dtype, width, ...)
@@ -330,14 +335,14 @@ def _code_name(formula: str, key) -> str:
     return f"{formula}__{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
 
 
-def usable(kind: str, weight, check) -> bool:
+def usable(kind: str, weight, check, kernel: str = "") -> bool:
     """Whether a quantizer should run the compiled form ``kind`` on ``weight``: a bf16/float32
     weight on a device where it is wanted (:func:`wanted`), and ``check()`` (compiled == eager
-    on a probe, bit for bit) passed there at first use (:func:`verified`)."""
+    on the probes) passed there at first use of this ``kernel`` (:func:`verified`)."""
     import torch
     if weight.dtype not in (torch.bfloat16, torch.float32) or not wanted(weight.device):
         return False
-    return verified(kind, weight.device, weight.dtype, check)
+    return verified(kind, weight.device, weight.dtype, check, kernel)
 
 
 # -- verification ---------------------------------------------------------------------------------
@@ -351,16 +356,62 @@ def probe_weight(device, dtype, rows: int = 384, cols: int = 1024):
     w = torch.randn(rows, cols, generator=gen) * 0.02
     w[rows // 2:, : cols // 4] *= 40.0                         # rows with outliers
     ties = (torch.arange(cols, dtype=torch.float32) % 120 + 0.5) * 3.0
-    ties[0] = 381.0                                             # amax 381 -> INT8 scale 381 / 127 = 3
-    w[:8] = ties * (1.0 + torch.arange(8).reshape(8, 1) % 2) * 2.0 ** -7
-    w[8] = 0.0                                                  # all-zero row: eps scale
+    ties[:1] = 381.0                                            # amax 381 -> INT8 scale 381 / 127 = 3
+    tie_rows = min(rows, 8)
+    w[:tie_rows] = ties * (1.0 + torch.arange(tie_rows).reshape(tie_rows, 1) % 2) * 2.0 ** -7
+    w[8:9] = 0.0                                                # all-zero row: eps scale
     return w.to(dtype).to(device)
 
 
-def verified(kind: str, device, dtype, check) -> bool:
+def nonfinite_probe(device, dtype, rows: int = 384, cols: int = 1024):
+    """:func:`probe_weight` with a NaN in its first row, a +inf in its middle row and a -inf in
+    its last (and columns first, middle, last): three rows, three groups, and -- with at least
+    three block rows -- three blocks hold one non-finite weight each, the others none."""
+    w = probe_weight("cpu", dtype, rows, cols)
+    if rows and cols:
+        w[0, 0] = float("nan")
+        w[rows // 2, cols // 2] = float("inf")
+        w[rows - 1, cols - 1] = float("-inf")
+    return w.to(device)
+
+
+def probe_factors(device, rows: int = 384, cols: int = 1024):
+    """float32 SmoothQuant factors for a probe: ``(col_smooth [cols], row_gain [rows])``.
+
+    Why these values: 1.0 on the first half of the columns and a power of two on the tie rows
+    (the first nine) scale those weights exactly, so the tie rows keep their .5 ties (and their
+    amax at column 0), where a compiled division could round apart from the eager one; random
+    values on the other columns and rows make every product inexact there, so a compiled
+    kernel that multiplies in another order (``w * (col * gain)``) differs from the eager
+    ``(w * col) * gain``."""
+    import torch
+    gen = torch.Generator().manual_seed(44)
+    col = torch.ones(cols)
+    col[cols // 2:] = 0.5 + 0.5 * torch.rand(cols - cols // 2, generator=gen)   # < 1: the amax stays at column 0
+    gain = 0.5 + 1.5 * torch.rand(rows, generator=gen)
+    gain[:9] = 2.0 ** (torch.arange(min(rows, 9)) % 3 - 1.0)
+    return col.to(device), gain.to(device)
+
+
+def nonfinite_where_expected(scale, probe, unit_rows: int, unit_cols: int) -> bool:
+    """Whether ``scale`` (one per ``unit_rows x unit_cols`` unit of ``probe``: a row, a group, a
+    block) is non-finite exactly for the units that hold a NaN or an infinity -- what the eager
+    path gives, and what makes the entry points refuse the weight. At least one must."""
+    import torch
+    r, c = probe.shape
+    bad = (~torch.isfinite(probe)).reshape(r // unit_rows, unit_rows, c // unit_cols, unit_cols)
+    bad = bad.any(dim=3).any(dim=1)
+    return bool(bad.any()) and bool(torch.equal(~torch.isfinite(scale.reshape(bad.shape)), bad))
+
+
+def verified(kind: str, device, dtype, check, kernel: str = "") -> bool:
     """Whether the compiled ``kind`` may be used on ``device``: ``check()`` (compiled == eager on
-    the probe, bit for bit) is run once per (kind, device type, dtype) and remembered."""
-    key = (kind, device.type, str(dtype))
+    the probes) is run once per compiled kernel -- (kind, device type, dtype) and ``kernel``, the
+    caller's words for whatever else makes a separate kernel (width, inputs given) -- and
+    remembered. ``kernel`` goes into the first element of the key (``"kind (kernel)"``), so a
+    key stays (kind, device type, dtype)."""
+    label = f"{kind} ({kernel})" if kernel else kind
+    key = (label, device.type, str(dtype))
     verdict = STATE.verdicts.get(key)
     if verdict is not None:
         return verdict
@@ -368,13 +419,14 @@ def verified(kind: str, device, dtype, check) -> bool:
     try:
         ok = bool(check())
         if not ok:
-            reason = "its result differs from the eager torch path on the probe tensor"
+            reason = ("its result differs from the eager torch path on the probe tensors (the bits of a finite "
+                      "weight, or which scales a NaN or an infinity makes non-finite)")
     except Exception as exc:  # noqa: BLE001 - any compile/runtime failure means: do not use it
         ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     STATE.verdicts[key] = ok
     if not ok:
         STATE.reasons[key] = reason
-        msg = (f"flashrl: the compiled {kind} quantizer is not used on {device.type} ({dtype}): {reason}; "
+        msg = (f"flashrl: the compiled {label} quantizer is not used on {device.type} ({dtype}): {reason}; "
                f"the eager torch path (same bits, slower) is used instead")
         if mode() == "on":
             raise FusedUnavailable(msg + " -- ASCEND_RL_FLASHRL_DEVICE_FUSED=on requires it")

@@ -357,19 +357,44 @@ def quantize_pack_torch(weight, spec: Int4Spec, *, out_packed=None, out_scale=No
 
 # ---------------------------------------------------------------- compiled path (accelerators)
 
-def _fused_usable(weight, spec: Int4Spec) -> bool:
-    """bf16/float32 weight on an accelerator whose compiled INT4 kernel passed its first-use
-    check (against :func:`quantize_pack_torch` and :func:`fake_quantize_torch` on a probe)."""
-    from . import fused
+def _int4_kernel(cols: int) -> str:
+    """What makes a separate compiled INT4 kernel besides the dtype, ``spec`` and output: the
+    width. Both the kernels' cache key (:func:`_compiled_formula`) and their first-use verdict
+    (:func:`_fused_usable`) are keyed by it, so every kernel a weight runs is one that was checked."""
+    return f"{cols} columns"
 
-    def check():
-        probe = fused.probe_weight(weight.device, weight.dtype)
-        return (all(map(fused.same_bits, _fused_blocks(probe, spec, "packed", None, None, None),
-                        quantize_pack_torch(probe, spec)))
-                and all(map(fused.same_bits, _fused_blocks(probe, spec, "codes", None, None, None),
-                            quantize_torch(probe, spec)))
-                and fused.same_bits(_fused_fake(probe, spec, None, None), fake_quantize_torch(probe, spec)))
-    return fused.usable(f"int4 {spec.preset} g{spec.group_size}", weight, check)
+
+def _fused_usable(weight, spec: Int4Spec) -> bool:
+    """bf16/float32 weight on an accelerator whose compiled INT4 kernels for this dtype, width
+    and ``spec`` passed their first-use check (:func:`_fused_matches_eager`). A weight of a
+    shape INT4 refuses raises that error here (the probe takes the weight's width)."""
+    from . import fused
+    cols = _check(weight, spec).cols
+    return fused.usable(f"int4 {spec.preset} g{spec.group_size}", weight,
+                        lambda: _fused_matches_eager(weight.device, weight.dtype, cols, spec), _int4_kernel(cols))
+
+
+def _fused_matches_eager(device, dtype, cols: int, spec: Int4Spec) -> bool:
+    """The first-use check of the compiled INT4 kernels (packed, codes, fake) of one width, on
+    probes of that width: on the tie probe each gives the bits of :func:`quantize_pack_torch`,
+    :func:`quantize_torch` and :func:`fake_quantize_torch`; on the NaN/inf probe exactly the
+    groups holding a non-finite weight get a non-finite scale, and the fake quantization's
+    in-kernel verdict says "not all finite" (the refusals)."""
+    from . import fused
+    ties = fused.probe_weight(device, dtype, cols=cols)
+    if not (all(map(fused.same_bits, _fused_blocks(ties, spec, "packed", None, None, None),
+                    quantize_pack_torch(ties, spec)))
+            and all(map(fused.same_bits, _fused_blocks(ties, spec, "codes", None, None, None),
+                        quantize_torch(ties, spec)))
+            and fused.same_bits(_fused_fake(ties, spec, None, None), fake_quantize_torch(ties, spec))):
+        return False
+    bad = fused.nonfinite_probe(device, dtype, cols=cols)
+    for output in ("packed", "codes"):
+        fn, args = _compiled_formula(bad, spec, output)
+        if not fused.nonfinite_where_expected(fn(bad, *args)[1], bad, 1, spec.group_size):
+            return False
+    fn, args = _compiled_formula(bad, spec, "fake")
+    return not bool(fn(bad, *args)[1])
 
 
 def _compiled_formula(weight, spec: Int4Spec, output: str):
@@ -378,8 +403,9 @@ def _compiled_formula(weight, spec: Int4Spec, output: str):
     import torch
     from . import fused
     cols = weight.shape[-1]
-    fn = fused.compiled("int4", (str(weight.dtype), cols), group=spec.group_size, ct=spec.preset == "ct",
-                        bf16_weight=weight.dtype == torch.bfloat16, qmin=float(spec.qmin), output=output)
+    fn = fused.compiled("int4", (str(weight.dtype), _int4_kernel(cols)), group=spec.group_size,
+                        ct=spec.preset == "ct", bf16_weight=weight.dtype == torch.bfloat16, qmin=float(spec.qmin),
+                        output=output)
     return fn, (device_math.constant(spec.divisor, weight, torch.float64, shape=(1,)),
                 device_math.constant(torch.finfo(spec.scale_dtype(weight.dtype)).eps, weight, shape=(1,)))
 

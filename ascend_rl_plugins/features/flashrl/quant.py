@@ -91,7 +91,7 @@ def quantize_int8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = N
         from . import _cpu_kernels
         out, scale_out = _cpu_kernels.quantize_int8_rows_cpu(weight, col_smooth, row_gain, out=out,
                                                              scale_out=scale_out)
-    elif _fused_usable("int8_rows", weight):
+    elif _fused_usable("int8_rows", weight, col_smooth, row_gain):
         out, scale_out = _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes)
     else:
         out, scale_out = _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes)
@@ -140,18 +140,50 @@ def _int8_rows_eager(weight, col_smooth, row_gain, out, scale_out, block_bytes):
     return out, scale_out
 
 
-def _fused_usable(kind: str, weight) -> bool:
-    """The compiled form of ``kind`` is wanted on this device and passed its first-use check."""
-    from . import fused
+def _rows_kernel(cols: int, has_col: bool, has_gain: bool) -> str:
+    """What makes a separate compiled per-row kernel besides the dtype: the width, and which
+    SmoothQuant factors are given. Both the kernel's cache key (:func:`_rows_fused`) and its
+    first-use verdict (:func:`_fused_usable`) are keyed by it, so every kernel a weight runs
+    is the one that was checked."""
+    return (f"{cols} columns, {'with' if has_col else 'no'} col_smooth, "
+            f"{'with' if has_gain else 'no'} row_gain")
 
-    def check():
-        probe = fused.probe_weight(weight.device, weight.dtype)
-        if kind == "int8_rows":
-            return all(map(fused.same_bits, _int8_rows_fused(probe, None, None, None, None, None),
-                           _int8_rows_eager(probe, None, None, None, None, None)))
-        return all(map(fused.same_bits, _fp8_rows_fused(probe, None, None, None, None, None),
-                       _fp8_rows_eager(probe, None, None, "channel", None, None, None)))
-    return fused.usable(kind, weight, check)
+
+def _fused_usable(kind: str, weight, col_smooth=None, row_gain=None) -> bool:
+    """The compiled form of ``kind`` for this weight's dtype, width and factors is wanted on
+    this device and passed its first-use check (:func:`_fused_matches_eager`)."""
+    from . import fused
+    cols, has_col, has_gain = weight.shape[1], col_smooth is not None, row_gain is not None
+    return fused.usable(kind, weight,
+                        lambda: _fused_matches_eager(kind, weight.device, weight.dtype, cols, has_col, has_gain),
+                        _rows_kernel(cols, has_col, has_gain))
+
+
+def _fused_matches_eager(kind: str, device, dtype, cols: int, has_col: bool, has_gain: bool) -> bool:
+    """The first-use check of one compiled per-row kernel, on probes of its own width with the
+    same factors given (:func:`.fused.probe_factors`): on the tie probe its codes and scales are
+    the eager path's bits; on the NaN/inf probe exactly the rows holding a non-finite weight get
+    a non-finite scale (the refusal)."""
+    from . import fused
+    col, gain = fused.probe_factors(device, cols=cols)
+    col, gain = (col if has_col else None), (gain if has_gain else None)
+    if kind == "int8_rows":
+        def compiled_path(w):
+            return _int8_rows_fused(w, col, gain, None, None, None)
+
+        def eager_path(w):
+            return _int8_rows_eager(w, col, gain, None, None, None)
+    else:
+        def compiled_path(w):
+            return _fp8_rows_fused(w, col, gain, None, None, None)
+
+        def eager_path(w):
+            return _fp8_rows_eager(w, col, gain, "channel", None, None, None)
+    ties = fused.probe_weight(device, dtype, cols=cols)
+    if not all(map(fused.same_bits, compiled_path(ties), eager_path(ties))):
+        return False
+    bad = fused.nonfinite_probe(device, dtype, cols=cols)
+    return fused.nonfinite_where_expected(compiled_path(bad)[1], bad, 1, cols)
 
 
 def _int8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes):
@@ -168,7 +200,8 @@ def _rows_fused(kind, weight, col_smooth, row_gain, outputs, whole: bool, scalar
     n, k = weight.shape
     out, scale_out = outputs
     col, gain = _factors(weight, col_smooth, row_gain)
-    fn = fused.compiled(kind, (str(weight.dtype), col is None, gain is None, k), rows_args=(0, 2))
+    fn = fused.compiled(kind, (str(weight.dtype), _rows_kernel(k, col is not None, gain is not None)),
+                        rows_args=(0, 2))
     if whole and n:
         return fn(weight, col, gain, *scalars)
     rows = max(1, device_math.block_bytes_for(weight.device, block_bytes) // max(1, k))  # 1-byte codes
@@ -204,7 +237,7 @@ def quantize_fp8_rows(weight: torch.Tensor, col_smooth: torch.Tensor | None = No
         raise ValueError(f"strategy must be one of {FP8_STRATEGIES}, got {strategy!r}")
     if weight.dim() != 2:
         raise ValueError(f"quantize_fp8_rows expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
-    if strategy == "channel" and _fused_usable("fp8_rows", weight):
+    if strategy == "channel" and _fused_usable("fp8_rows", weight, col_smooth, row_gain):
         out, scale_out = _fp8_rows_fused(weight, col_smooth, row_gain, out, scale_out, block_bytes)
     else:
         out, scale_out = _fp8_rows_eager(weight, col_smooth, row_gain, strategy, out, scale_out, block_bytes)
