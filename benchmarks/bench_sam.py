@@ -696,6 +696,17 @@ class PeerRequest:
         self.req_id, self.text, self.prompt_len, self.counted = req_id, text, prompt_len, counted
 
 
+class _EveryRequest:
+    """``finished`` for ``SamDrafter.retain_only`` here: in this benchmark a request leaves the
+    batch only at the end of its text, so every request that leaves finished."""
+
+    def __contains__(self, req_id) -> bool:
+        return True
+
+
+EVERY_REQUEST = _EveryRequest()
+
+
 class SamPeerDriver:
     """SAM as vLLM's runner drives the proposer (``propose_for``: retain the live requests,
     draft for the condensed rows), its flags at their values (defaults unless set) but for
@@ -711,7 +722,7 @@ class SamPeerDriver:
 
     def propose(self, batch: PeerBatch, sampled) -> list[list[int]]:
         d = self.drafter
-        d.retain_only(batch.req_ids)
+        d.retain_only(batch.req_ids, finished=EVERY_REQUEST)
         rows = list(range(len(batch.req_ids)))
         drafts, counts = d.propose_arrays(batch.req_ids, rows, batch.token_ids_cpu,
                                           batch.num_tokens_no_spec,

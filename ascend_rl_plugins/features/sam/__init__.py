@@ -167,13 +167,16 @@ def _ngram_or_sam(wrapped, instance, args, kwargs):
 @FEATURE.before("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
                 name="sam.bind_input_batch", dist="vllm", versions=_VLLM, params=("self",),
                 reason="vLLM 0.23's ngram propose() gets no request ids; SAM keys its automata "
-                       "by request id and groups siblings by prompt, so it reads input_batch",
-                remove_when="the ngram/custom proposer call passes request ids and prompt lengths")
+                       "by request id and groups siblings by prompt, so it reads input_batch; "
+                       "its history keeps only finished responses, so it reads each request's "
+                       "stop conditions from the runner's requests (both versions)",
+                remove_when="the ngram/custom proposer call passes request ids, prompt lengths "
+                            "and which requests finished by themselves")
 def _bind_input_batch(instance, args, kwargs):
     drafter = getattr(instance, "drafter", None)
-    bind = getattr(drafter, "bind_input_batch", None)
+    bind = getattr(drafter, "bind_runner", None)
     if bind is not None:
-        bind(instance.input_batch)
+        bind(instance)
     return None
 
 

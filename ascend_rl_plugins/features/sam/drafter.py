@@ -25,6 +25,9 @@ fills the steps where SAM drafted nothing and suffix's global tree did (see the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
 from .automaton import (B_ACC, B_CROSS, B_NTOK, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST,
@@ -35,6 +38,41 @@ from .history import ResponseHistory
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
 # (a long rollout finishes millions of requests: the record must not grow with them)
 FINISHED_RECORD = 1024
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    """When a request ends by itself: once it has ``min_tokens`` output tokens, at a token of
+    ``stop_token_ids``, or when it holds ``max_tokens`` output tokens (None: no such limit) or
+    the drafter's ``max_model_len`` tokens in all. That is the order in which vLLM's scheduler
+    checks each new token (``check_stop`` in vllm/v1/core/sched/utils.py, 0.13 and 0.23).
+    Not recognized, so not kept: a stop string (the front end finds it and aborts the
+    request) and 0.23's ``repetition_detection``.
+
+    Why the drafter needs them: the history must keep only responses that finished, and a
+    request leaves the batch in the same way whether it finished or was preempted, aborted (a
+    migration hop ends in an abort) or moved. vLLM's runner is told ``finished_req_ids``, but
+    aborted requests are in that set too. A text that ends by these conditions finished."""
+
+    stop_token_ids: frozenset = frozenset()
+    min_tokens: int = 0
+    max_tokens: int | None = None
+
+    def finished_length(self, response: np.ndarray, room: int | None) -> int | None:
+        """How many tokens of ``response`` (the output tokens in order) the request held when it
+        finished, or None if it did not finish. ``room``: ``max_model_len`` minus the prompt
+        length (None: no limit). The runner may hold tokens past the end (the rest of an
+        accepted draft after a stop token), which the scheduler dropped: they are not counted."""
+        first = max(self.min_tokens, 1)  # the first output count the scheduler checks
+        limits = [x for x in (self.max_tokens, room) if x is not None]
+        end = max(min(limits), first) if limits else None
+        if self.stop_token_ids and response.size >= first:
+            stops = np.fromiter(self.stop_token_ids, np.int64, len(self.stop_token_ids))
+            hits = np.flatnonzero(np.isin(response[first - 1:], stops))
+            if hits.size:
+                at_stop = first + int(hits[0])
+                end = at_stop if end is None else min(end, at_stop)
+        return end if end is not None and end <= response.size else None
 
 
 class DrafterStats:
@@ -120,13 +158,22 @@ class SamDrafter:
     ``cross_prompt_tokens`` (0: off): an automaton shared by all prompts, holding every
     request's text (finished ones' too) up to that many tokens (then a fresh one replaces
     it), drafts for a request whose own automaton has no candidate. The flags of the ``sam``
-    feature map one to one onto these arguments (see ``vllm_proposer.build_drafter``)."""
+    feature map one to one onto these arguments (see ``vllm_proposer.build_drafter``).
+
+    The history keeps only responses of requests that finished: named as finished to
+    :meth:`release` / :meth:`retain_only`, or whose text ends by their
+    :class:`StopConditions`, which ``stop_conditions_of(request id)`` (None: none known) gives
+    when a request first shows up (the vLLM proposers read them from the runner's sampling
+    parameters). A request that leaves the batch otherwise (preempted, aborted, moved to
+    another engine) leaves nothing in it: its text is partial, and an aborted migration hop's
+    prompt (the original prompt and the tokens before the hop) is a key no later request has."""
 
     def __init__(self, k: int, *, min_match: int = 1, group: bool = False,
                  batch_threshold: int = 0, recent_len: int = 32, adaptive: bool = False,
                  max_model_len: int | None = None, history_tokens: int = 0,
                  history_per_prompt: int = 8, token_cost: float = 0.0,
-                 compute_bound_batch: int = 64, cross_prompt_tokens: int = 0):
+                 compute_bound_batch: int = 64, cross_prompt_tokens: int = 0,
+                 stop_conditions_of: Callable[[str], StopConditions | None] | None = None):
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 for SAM, got {k}")
         self.k = int(k)
@@ -139,7 +186,9 @@ class SamDrafter:
         # finished responses by prompt (None: off); a request's prompt bytes and length
         self.history = (ResponseHistory(history_tokens, history_per_prompt)
                         if history_tokens > 0 else None)
-        self._prompt_of: dict[str, tuple[bytes, int]] = {}
+        self.stop_conditions_of = stop_conditions_of
+        # with history on: a request's prompt bytes, prompt length and stop conditions
+        self._prompt_of: dict[str, tuple[bytes, int, StopConditions | None]] = {}
         if cross_prompt_tokens < 0:
             raise ValueError(f"cross_prompt_tokens must be >= 0, got {cross_prompt_tokens}")
         # the cross-prompt automaton (-1: none yet or off) and its token budget
@@ -199,7 +248,8 @@ class SamDrafter:
             if self.group:
                 key = prompt_key
             if self.history is not None:
-                self._prompt_of[req_id] = (prompt_key, int(prompt.size))
+                stop = self.stop_conditions_of(req_id) if self.stop_conditions_of else None
+                self._prompt_of[req_id] = (prompt_key, int(prompt.size), stop)
         a = self.groups.get(key)
         if a is None:
             a = self.pool.new_automaton()
@@ -236,9 +286,11 @@ class SamDrafter:
             self.pool.extend_one(seed, np.concatenate([prompt, response]), k=0)
             self.pool.release_member(seed, keep_text=True)
 
-    def release(self, req_id: str) -> None:
-        """Forget a finished/aborted request (its group goes with its last member); with
-        history on, its response is kept for its prompt's later requests."""
+    def release(self, req_id: str, finished: bool = False) -> None:
+        """Forget a request that left (its group goes with its last member). With history on,
+        its response is kept for its prompt's later requests if it finished: ``finished``
+        (the caller knows it did), or its text ends by its stop conditions (then only up to
+        that end). A preempted, aborted or moved request leaves nothing there."""
         m = self.member_of.pop(req_id, None)
         key = self.group_of.pop(req_id, None)
         prompt = self._prompt_of.pop(req_id, None)
@@ -248,7 +300,7 @@ class SamDrafter:
         if x >= 0:  # its text stays in the cross-prompt automaton for later requests
             self.pool.release_member(x, keep_text=True)
         if prompt is not None:
-            self.history.add(prompt[0], self.pool.member_text(m)[prompt[1]:])
+            self._keep_if_finished(m, prompt, finished)
         self._key_ids = []  # the cached batch may hold this member
         record = self._finished_accepted
         record[req_id] = int(self.pool.members[m, B_ACC])
@@ -258,17 +310,32 @@ class SamDrafter:
         if key is not None and not self.pool.meta[self.groups[key], M_ALIVE]:
             del self.groups[key]
 
-    def retain_only(self, live_req_ids) -> None:
+    def _keep_if_finished(self, member: int, prompt: tuple, finished: bool) -> None:
+        """Store a leaving request's response only if it finished, up to where it ended: a
+        partial text under a key no later request has would only take the history's budget."""
+        key, prompt_len, stop = prompt
+        response = self.pool.member_text(member)[prompt_len:]
+        end = None
+        if stop is not None:
+            limit = self.max_model_len
+            end = stop.finished_length(response, None if limit is None else limit - prompt_len)
+        if end is None and finished:
+            end = int(response.size)
+        if end:
+            self.history.add(key, response[:end])
+
+    def retain_only(self, live_req_ids, finished=()) -> None:
         """Release every request not in ``live_req_ids`` (finished, aborted or preempted;
         a preempted request is simply re-ingested from its token row when it returns).
-        Free when the ids are those of the previous call."""
+        ``finished``: ids of requests known to have finished (see :meth:`release`). Free
+        when the ids are those of the previous call."""
         if type(live_req_ids) is not list:
             live_req_ids = list(live_req_ids)
         if live_req_ids == self._live_key:
             return
         live = set(live_req_ids)
         for r in [r for r in self.member_of if r not in live]:
-            self.release(r)
+            self.release(r, finished=r in finished)
         self._live_key = list(live_req_ids)
 
     def _set_batch(self, req_ids, rows, token_ids, prompt_lens) -> None:

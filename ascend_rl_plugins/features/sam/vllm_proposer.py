@@ -8,7 +8,9 @@ which this feature wraps to return :class:`SamNgramProposer` (a subclass of the 
 
 The runner hands the proposer the ids of the rows only on 0.13; on 0.23 the ngram call has
 no request ids, so a before-hook on ``GPUModelRunner.propose_draft_token_ids`` gives the
-proposer the runner's ``input_batch`` (ids, prompt lengths, unsupported requests).
+proposer the runner (its ``input_batch``: ids, prompt lengths, unsupported requests; its
+``requests``: each request's sampling parameters, read once per request for the history's
+stop conditions, in both versions).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import numpy as np
 
 from .automaton import compile_step_kernel
-from .drafter import SamDrafter
+from .drafter import SamDrafter, StopConditions
 
 log = logging.getLogger("ascend_rl_plugins")
 
@@ -53,11 +55,25 @@ def build_drafter(vllm_config, **overrides) -> SamDrafter:
     return SamDrafter(settings.pop("k"), **settings)
 
 
+def stop_conditions_of_params(params) -> StopConditions:
+    """The conditions on which vLLM's scheduler finishes a request by itself, from its
+    ``SamplingParams`` as the runner holds them (0.13 and 0.23). The scheduler stops at the
+    model's EOS unless ``ignore_eos``, and at ``stop_token_ids`` (the input processor has added
+    the generation config's other EOS ids to them unless ``ignore_eos``); ``all_stop_token_ids``
+    is those plus the EOS ids whatever ``ignore_eos`` says (it serves ``min_tokens``), so it is
+    the stop set exactly when EOS counts. ``max_tokens`` is always set by then (the input
+    processor fills it from ``max_model_len``)."""
+    stop = (params.stop_token_ids or ()) if params.ignore_eos else params.all_stop_token_ids
+    return StopConditions(frozenset(int(t) for t in stop), int(params.min_tokens or 0),
+                          None if params.max_tokens is None else int(params.max_tokens))
+
+
 class _SamProposerMixin:
     """Everything but the base class: propose with either runner calling convention."""
 
     drafter: SamDrafter
     input_batch = None  # set by the propose_draft_token_ids hook (0.23) or from req_ids (0.13)
+    runner = None  # the model runner, set by the same hook (vLLM) or at construction (Ascend)
     _rows_cache: list = []
 
     def _init_sam(self, vllm_config) -> None:
@@ -67,7 +83,7 @@ class _SamProposerMixin:
         self.min_n = getattr(spec, "prompt_lookup_min", None) or 1
         self.max_n = getattr(spec, "prompt_lookup_max", None) or 1
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.sam = build_drafter(vllm_config)
+        self.sam = build_drafter(vllm_config, stop_conditions_of=self._stop_conditions)
         started = time.perf_counter()
         compile_step_kernel()
         log.info("ascend-rl: SAM drafter k=%d min_match=%d group=%s batch_threshold=%d "
@@ -78,8 +94,19 @@ class _SamProposerMixin:
                  self.sam.history.max_tokens if self.sam.history else 0,
                  self.sam.cross_prompt_tokens, time.perf_counter() - started)
 
-    def bind_input_batch(self, input_batch) -> None:
-        self.input_batch = input_batch
+    def bind_runner(self, runner) -> None:
+        self.runner = runner
+        self.input_batch = runner.input_batch
+
+    def _stop_conditions(self, req_id: str) -> StopConditions | None:
+        """A request's stop conditions, asked by the drafter when the request first shows up
+        (the runner still holds its state then; it drops a finished request's state before
+        the step whose batch no longer has it). None where the runner has no sampling
+        parameters for it: its response is then never kept."""
+        requests = getattr(self.runner, "requests", None)
+        state = requests.get(req_id) if requests is not None else None
+        params = getattr(state, "sampling_params", None)
+        return None if params is None else stop_conditions_of_params(params)
 
     def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
         """0.13: (sampled, req_ids, num_tokens_no_spec, token_ids_cpu, unsupported);

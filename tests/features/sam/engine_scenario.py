@@ -39,6 +39,9 @@ STAGGER = {0: [("A", SIBLING, 40)], 12: [("B", SIBLING, 28)]}
 # tokens whole): 40 tokens keep them running when TC joins
 SWITCH = {0: [("TA", PROMPTS[0], 40), ("TB", PROMPTS[2], 40)], 6: [("TC", PROMPTS[1], 10)]}
 LIMIT = {0: [("L", LIMIT_PROMPT, None)]}
+# AB is aborted at step 6, long before its 40 tokens (a migration hop ends so); AD runs on
+ABORT = {0: [("AB", PROMPTS[1], 40), ("AD", PROMPTS[0], 16)]}
+ABORT_AT = {6: ["AB"]}
 
 
 def _greedy(n):
@@ -50,13 +53,16 @@ def _tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
-def _run_steps(llm, adds) -> dict:
-    """Add requests at given engine steps; returns {request id: output tokens}."""
+def _run_steps(llm, adds, aborts=None) -> dict:
+    """Add requests (and abort them, ``aborts``: {step: [request id]}) at given engine steps;
+    returns {request id: output tokens} of the requests that finished."""
     eng, done, step = llm.llm_engine, {}, 0
     pending = dict(adds)
     while pending or eng.has_unfinished_requests():
         for rid, prompt, n in pending.pop(step, []):
             eng.add_request(rid, {"prompt_token_ids": prompt}, _greedy(n))
+        if aborts and step in aborts:
+            eng.abort_request(aborts[step])
         for out in eng.step():
             if out.finished:
                 done[out.request_id.split("-")[0]] = list(out.outputs[0].token_ids)
@@ -73,6 +79,7 @@ def _workloads(llm) -> dict:
     out["n2"] = _tokens(llm.generate([{"prompt_token_ids": PROMPTS[1]}], n2, use_tqdm=False))
     out["stagger"] = _run_steps(llm, STAGGER)
     out["switch"] = _run_steps(llm, SWITCH)
+    out["abort"] = _run_steps(llm, ABORT, ABORT_AT)
     out["limit"] = _run_steps(llm, LIMIT)
     return out
 
@@ -86,8 +93,9 @@ def _engine(spec=None):
 
 class _Recorder:
     """What the engine's drafter proposed and what its scheduler then scheduled, in order:
-    ``["propose", request, tokens, draft length, match length]`` per drafted row and
-    ``["schedule", running, {request: [pending drafts, scheduled drafts]}]`` per step."""
+    ``["propose", request, tokens, draft length, match length]`` per drafted row,
+    ``["schedule", running, {request: [pending drafts, scheduled drafts]}]`` per step and
+    ``["release", request, whether its response went to the history]`` per request leaving."""
 
     def __init__(self, core, drafter):
         from ascend_rl_plugins.features.sam.automaton import OUT_MATCH
@@ -113,8 +121,16 @@ class _Recorder:
                                 {rid.split("-")[0]: [n, got.get(rid, 0)] for rid, n in pending.items()}])
             return out
 
+        release = sam.release
+
+        def recording_release(req_id, *a, **kw):
+            stored = sam.history.counters.stored
+            release(req_id, *a, **kw)
+            self.events.append(["release", req_id.split("-")[0], sam.history.counters.stored > stored])
+
         sam.propose_arrays = recording_propose
         sched.schedule = recording_schedule
+        sam.release = recording_release
 
 
 def run() -> dict:

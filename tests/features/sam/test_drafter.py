@@ -243,6 +243,20 @@ def test_requests_that_move_rows_or_replace_each_other_keep_their_own_text():
     assert set(d.member_of) == {"X", "Z"}
 
 
+def test_requests_that_swap_rows_keep_their_own_text():
+    """The same requests in the same order, in each other's rows (vLLM's condense moves rows;
+    the proposer drafts for a subset of rows): the step must read each request from its new
+    row. A batch cache keyed on the ids alone would feed X with Y's tokens and Y with X's."""
+    x = [5, 6, 7, 5, 6, 7, 5, 6]
+    y = [20, 21, 22, 23, 20, 21, 22, 23, 20]
+    d = SamDrafter(2)
+    assert d.propose_rows(["X", "Y"], [0, 1], matrix(x, y), counts(7, 8)) == {0: [6, 7], 1: [20, 21]}
+    got = d.propose_rows(["X", "Y"], [1, 0], matrix(y, x), counts(9, 8))
+    assert got == {1: [7, 5], 0: [21, 22]}
+    assert d.pool.member_text(d.member_of["X"]).tolist() == x
+    assert d.pool.member_text(d.member_of["Y"]).tolist() == y
+
+
 def test_batch_size_switch_ingests_without_drafting():
     text = [1, 2, 3] * 10
     tokens = matrix(text, text, text)
@@ -368,7 +382,7 @@ def _one_step_rollout(d: SamDrafter, req_id: str, text, prompt_len: int) -> list
     for n in range(prompt_len + 1, len(text) + 1):
         d.retain_only([req_id])  # as the proposer does every step
         got.append(d.propose_rows([req_id], [0], tokens, counts(n), prompt_lens=plens).get(0, []))
-    d.retain_only([])
+    d.retain_only([], finished=[req_id])
     return got
 
 
@@ -402,6 +416,54 @@ def test_history_of_another_prompt_changes_nothing():
         runs.append(([_one_step_rollout(d, f"r{i}", t, 1) for i, t in enumerate(texts)],
                      d.stats.as_dict()))
     assert runs[0] == runs[1]
+
+
+def test_a_request_that_leaves_without_finishing_leaves_no_history():
+    """Issue 44: B leaves the batch (preempted, aborted, or a migration hop moved away) and
+    comes back: nothing is stored for it, neither when it leaves nor when it returns; a
+    partial response stored under a migration hop's prompt (prompt + earlier tokens) is a
+    key no later request has. Only a request named as finished leaves its response."""
+    d = SamDrafter(3, group=True, history_tokens=1024)
+    a, b = HIST_PROMPT + HIST_ANSWER, HIST_PROMPT + HIST_ANSWER[:6]
+    tokens = matrix(a, b)
+    plens = counts(len(HIST_PROMPT), len(HIST_PROMPT))
+    for live, n in ((["A", "B"], (5, 5)), (["A"], (6,)), (["A", "B"], (7, 7))):
+        d.retain_only(live)
+        d.propose_rows(live, list(range(len(live))), tokens, counts(*n), prompt_lens=plens)
+    assert (d.history.counters.stored, d.history.responses_kept()) == (0, 0)
+    d.retain_only([], finished=["A"])  # A finished, B was aborted
+    assert d.history.counters.stored == 1
+    assert [r.tolist() for r in d.history.responses(bytes(np.array(HIST_PROMPT, np.int32)))] == \
+        [HIST_ANSWER[:4]]
+
+
+EOS = 2
+
+
+@pytest.mark.parametrize("conditions, output, kept", [
+    # a stop token ends it; the runner's tokens after it (the rest of an accepted draft) do not count
+    ({"stop_token_ids": frozenset({EOS})}, [40, 41, EOS, 43, 44], [40, 41, EOS]),
+    # no stop token before min_tokens counts
+    ({"stop_token_ids": frozenset({EOS, 9}), "min_tokens": 3}, [40, EOS, 41, 9, 42], [40, EOS, 41, 9]),
+    ({"max_tokens": 3}, [40, 41, 42, 43], [40, 41, 42]),  # max_tokens
+    ({}, [40, 41, 42, 43, 44], [40, 41, 42, 43, 44]),  # max_model_len (8 tokens)
+    ({"stop_token_ids": frozenset({EOS}), "max_tokens": 9}, [40, 41, 42], None),  # left before its end
+    (None, [40, 41, EOS], None),  # conditions unknown: never kept
+])
+def test_a_response_is_kept_when_its_text_ends_by_its_stop_conditions(conditions, output, kept):
+    """How the vLLM proposers tell a finished request from one that only left the batch (the
+    runner's finished ids include aborted requests): its stop conditions, given when it first
+    shows up. The response is kept up to where the scheduler ended it."""
+    from ascend_rl_plugins.features.sam.drafter import StopConditions
+    prompt = [5, 6, 7]
+    stop = None if conditions is None else StopConditions(**conditions)
+    d = SamDrafter(3, history_tokens=1024, max_model_len=len(prompt) + 5,
+                   stop_conditions_of={"r": stop}.get)
+    text = prompt + output
+    d.propose_rows(["r"], [0], matrix(text), counts(len(text)), prompt_lens=counts(len(prompt)))
+    d.retain_only([])
+    got = [r.tolist() for r in d.history.responses(bytes(np.array(prompt, np.int32)))]
+    assert got == ([kept] if kept else [])
 
 
 def test_history_is_bounded_and_evicts_the_least_recently_used_prompt():

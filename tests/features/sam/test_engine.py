@@ -123,6 +123,17 @@ def test_drafts_are_scheduled_whole_up_to_max_model_len(engines):
     assert max(n for n, _, _ in checked) >= sc.MAX_MODEL_LEN - 3 * sc.K  # drafted near the end
 
 
+def test_history_keeps_finished_responses_and_nothing_of_an_aborted_request(engines):
+    """Issue 44: AB is aborted mid-way (as a migration hop is): it leaves the batch like a
+    finished request, and vLLM's runner lists it among the finished ids, yet its partial
+    response must not reach the history; every request that ran to its max_tokens did."""
+    _, sam = engines
+    released = [(rid, stored) for kind, rid, stored in
+                (e for e in sam["events"] if e[0] == "release")]
+    assert ("AB", False) in released and "AD" in dict(released)
+    assert [rid for rid, stored in released if not stored] == ["AB"], released
+
+
 def test_finished_requests_are_released(engines):
     _, sam = engines
     # only what the last step still saw: its member and its cross-prompt member

@@ -13,6 +13,7 @@ import pytest
 from ascend_rl_plugins import flags
 from ascend_rl_plugins.features import sam
 from ascend_rl_plugins.features.sam.vllm_proposer import build_drafter, rewrite_speculative_dict
+from tests.features.sam.wiring_scenario import KeptResponses
 from tests.support.child import run_scenario
 from tests.support.stacks import running_stack
 
@@ -92,3 +93,19 @@ def test_ascend_get_drafter_selects_sam(ascend_drafters, flavour):
     if flavour == "0.23":  # the other vLLM calling convention: propose(k, sampled, ...)
         assert out["drafts_other_vllm"] == [[2, 3, 4], [7, 7, 7]]
     assert out["plain"] == "original ngram drafter"
+
+
+def test_history_keeps_only_requests_that_finished_by_themselves():
+    """Issue 44: vLLM's runner drops a request from the batch alike whether it finished, was
+    preempted or was aborted (a migration hop ends in an abort; the runner's
+    ``finished_req_ids`` holds aborted requests too). The proposer reads each request's stop
+    conditions from the runner's sampling parameters when it first shows up, so the history
+    keeps the responses that ended by them, cut where the scheduler ended them, and nothing
+    of the request that left before its end."""
+    if running_stack() is None:
+        pytest.skip("needs vLLM (recipe or current stack): real SamplingParams")
+    out = run_scenario("tests.features.sam.wiring_scenario", "history_keeps_only_finished_requests",
+                       env=CHILD_ENV, returns=KeptResponses)
+    assert out.stop_token_ids == {"A": [2], "B": [], "C": [2], "D": [2, 9]}
+    assert out.max_tokens == {"A": 20, "B": 3, "C": 20, "D": 20}
+    assert out.kept == {"A": [[40, 41, 2]], "B": [[50, 2, 52]], "C": [], "D": []}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 
@@ -136,3 +137,91 @@ def _ascend_get_drafter(flavour: str) -> dict:
         out["drafts_other_vllm"] = drafter.propose(3, [[1], [7]])
     out["plain"] = wrapper(original_get_drafter, NPUModelRunner_double("ngram"), (), {})
     return out
+
+
+
+# --- history: only requests that finished by themselves (real vLLM SamplingParams) ------------------
+
+@dataclass
+class KeptResponses:
+    """After the steps of :func:`history_keeps_only_finished_requests`: the responses the
+    proposer's history kept per request's prompt (oldest first), and the stop conditions read
+    from each request's sampling parameters."""
+    kept: dict[str, list[list[int]]]
+    stop_token_ids: dict[str, list[int]]
+    max_tokens: dict[str, int]
+
+
+class _RunnerWithRequests:
+    """The runner parts the proposer reads: ``input_batch``, and ``requests`` (request id ->
+    state holding ``sampling_params``, as vLLM's ``CachedRequestState``); ``drafter`` for the
+    ``propose_draft_token_ids`` hook."""
+
+    def __init__(self, drafter, params: dict):
+        self.drafter = drafter
+        self.requests = {r: SimpleNamespace(sampling_params=p) for r, p in params.items()}
+        self.input_batch = None
+
+    def step(self, rows: dict, prompt_len: int) -> None:
+        """The batch of a step: ``rows`` (request id -> its tokens so far), in that order. As
+        vLLM's runner does, the state of a request no longer in the batch is dropped first."""
+        import numpy as np
+        for r in [r for r in self.requests if r not in rows]:
+            del self.requests[r]
+        batch = SimpleNamespace(req_ids=list(rows), spec_decode_unsupported_reqs=set())
+        batch.token_ids_cpu = np.zeros((len(rows), 64), np.int32)
+        for i, tokens in enumerate(rows.values()):
+            batch.token_ids_cpu[i, : len(tokens)] = tokens
+        batch.num_tokens_no_spec = np.array([len(t) for t in rows.values()], np.int32)
+        batch.num_prompt_tokens = np.full(len(rows), prompt_len, np.int32)
+        self.input_batch = batch
+
+
+def history_keeps_only_finished_requests() -> KeptResponses:
+    """The SAM proposer in vLLM 0.23's calling convention, its runner bound by the
+    ``sam.bind_input_batch`` hook, three steps. A ends at its EOS (the runner holds one token
+    past it: the rest of an accepted draft), B (``ignore_eos``) at its ``max_tokens``; C leaves
+    the batch before its end (aborted, preempted or moved); D still runs. Sampling parameters
+    are vLLM's, completed as its input processor does (``update_from_generation_config`` with
+    the model's EOS)."""
+    import numpy as np
+    from vllm.sampling_params import SamplingParams
+
+    from ascend_rl_plugins import plugin
+    from ascend_rl_plugins.features.sam.vllm_proposer import (sam_proposer_class,
+                                                               stop_conditions_of_params)
+    from ascend_rl_plugins.patching.core import REGISTRY
+
+    plugin.activate("test")
+    eos, prompt_len = 2, 4
+
+    def params(**kw):
+        p = SamplingParams(**kw)
+        p.update_from_generation_config({}, eos)
+        return p
+
+    class PristineNgramProposer:  # stands in for the runner's NgramProposer base class
+        pass
+
+    proposer = sam_proposer_class(PristineNgramProposer)(_config(k=2, max_model_len=64))
+    requests = {"A": params(max_tokens=20), "B": params(max_tokens=3, ignore_eos=True),
+                "C": params(max_tokens=20), "D": params(max_tokens=20, stop_token_ids=[9])}
+    runner = _RunnerWithRequests(proposer, requests)
+    prompts = {r: [100 + i, 5, 6, 7] for i, r in enumerate(requests)}
+    outputs = [{"A": [40], "B": [50], "C": [60], "D": [70]},
+               {"A": [40, 41, eos, 43], "B": [50, eos, 52, 53], "C": [60, 61], "D": [70, 71]},
+               {"D": [70, 71, 72]}]
+    hook = REGISTRY.patches["sam.bind_input_batch"].impl
+    for out in outputs:
+        runner.step({r: prompts[r] + tokens for r, tokens in out.items()}, prompt_len)
+        hook(runner, (), {})
+        batch = runner.input_batch
+        proposer.propose([[1]] * len(out), batch.num_tokens_no_spec, batch.token_ids_cpu,
+                         slot_mappings=None)
+    history = proposer.sam.history
+    conditions = {r: stop_conditions_of_params(p) for r, p in requests.items()}
+    return KeptResponses(
+        kept={r: [x.tolist() for x in history.responses(np.array(p, np.int32).tobytes())]
+              for r, p in prompts.items()},
+        stop_token_ids={r: sorted(c.stop_token_ids) for r, c in conditions.items()},
+        max_tokens={r: c.max_tokens for r, c in conditions.items()})
