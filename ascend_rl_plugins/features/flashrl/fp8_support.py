@@ -93,13 +93,43 @@ def _amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+CPU_W4A16_MATMUL = "cpu_gemm_wna16"  # torch.ops._C.<this>: the matmul of CPUWNA16LinearKernel's W4A16 mode
+
+
+def cpu_w4a16_matmul_missing() -> str | None:
+    """Why the vLLM CPU kernel library this process loads has no W4A16 matmul, else None.
+
+    vLLM 0.23 selects ``CPUWNA16LinearKernel`` for a W4A16 layer without asking whether its
+    matmul, ``torch.ops._C.cpu_gemm_wna16``, exists in the loaded library: an engine on a build
+    without it loads the model and then fails at its warm-up forward with an AttributeError.
+    Its x86 CPU wheel ships three kernel libraries and loads one by the CPU's ISA
+    (``CpuPlatform.import_kernels``); the op is in the AVX-512 ones (``_C``, ``_C_AVX512``),
+    not in ``_C_AVX2``, which AVX2-only x86 CPUs get. Asked by loading the kernels as vLLM
+    does (``vllm._custom_ops``), so the answer is the engine's on this CPU."""
+    if _op_available(CPU_W4A16_MATMUL):
+        return None
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+    vv = _version("vllm")
+    head = (f"vLLM {vv}'s CPU kernel library loaded here has no torch.ops._C.{CPU_W4A16_MATMUL}, the W4A16 matmul "
+            f"CPUWNA16LinearKernel calls in every forward (the engine would load the model and then fail at its "
+            f"warm-up with an AttributeError)")
+    if current_platform.get_cpu_architecture() == CpuArchEnum.X86 and not torch.cpu._is_avx512_supported():
+        return (f"{head}; vLLM's x86 CPU build has it only in its AVX-512 kernel libraries (_C, _C_AVX512), and "
+                f"this CPU has no AVX-512, so vLLM loaded _C_AVX2: W4A16 rollout on vLLM's CPU backend needs an "
+                f"x86 CPU with AVX-512")
+    return f"{head}; this vLLM CPU build was made without W4A16 CPU support"
+
+
 def w4a16_support(env=None) -> tuple[bool, str]:
     """(supported, explanation): can this platform serve a compressed-tensors W4A16
     (pack-quantized, symmetric, group-wise) checkpoint *and* take flashrl's online reload?
 
-    * vLLM CPU: 0.23 has ``CPUWNA16LinearKernel``; its W4A16 mode needs
-      ``VLLM_CPU_INT4_W4A8=0`` on AMX CPUs (otherwise vLLM quantizes the activations to int8:
-      W4A8, not what the trainer's QAT sees). vLLM 0.13's CPU build has no W4A16 kernel.
+    * vLLM CPU: 0.23 has ``CPUWNA16LinearKernel``, whose matmul is missing from the kernel
+      library vLLM loads on AVX2-only x86 CPUs (:func:`cpu_w4a16_matmul_missing`); its W4A16
+      mode needs ``VLLM_CPU_INT4_W4A8=0`` on AMX CPUs (otherwise vLLM quantizes the activations
+      to int8: W4A8, not what the trainer's QAT sees). vLLM 0.13's CPU build has no W4A16
+      kernel for compressed-tensors checkpoints (nor ``cpu_gemm_wna16`` in its x86 wheel).
     * vLLM-Ascend 0.13 / 0.23: W4A16 only for fused-MoE experts (a dense linear raises); the
       reload into its MoE layout is not provided (not verifiable without an NPU).
     """
@@ -126,6 +156,9 @@ def w4a16_support(env=None) -> tuple[bool, str]:
     if not has_kernel:
         return False, (f"vLLM {vv}'s CPU build has no W4A16 kernel (CPUWNA16LinearKernel is in vLLM 0.23, not "
                        f"in {vv}; its Dynamic4bitLinearKernel takes signed int4 with dynamic activations only)")
+    missing = cpu_w4a16_matmul_missing()
+    if missing is not None:
+        return False, missing
     if _amx() and str(env.get("VLLM_CPU_INT4_W4A8", "1")).strip() not in ("0", "false", "False"):
         return False, (f"on this AMX CPU vLLM {vv}'s CPUWNA16 kernel would run W4A8 (int8 activations, not "
                        f"what the trainer sees); set VLLM_CPU_INT4_W4A8=0 for W4A16")

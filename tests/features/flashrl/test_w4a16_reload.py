@@ -14,8 +14,10 @@ torch-allocator peak of a reload <= 1.1x the largest BF16 tensor, a partial fuse
 refused. vLLM 0.13's CPU build has no W4A16 kernel: there only the engine-start refusal runs.
 
 Where the installed vLLM 0.23 build has no W4A16 matmul on this CPU (``torch.ops._C.cpu_gemm_wna16``
-is absent from vLLM's AVX2 kernel library), the engines start without their warm-up forward and
-generate nothing: the output comparisons skip, naming the missing op; scheme and kernel, the
+is absent from vLLM's AVX2 kernel library), flashrl refuses a ``fn: w4a16`` engine at its start
+(checked on any x86 machine with the AVX2-only CPU simulated). The reload engines then start
+without their warm-up forward, that refusal doubled, and generate nothing: the output
+comparisons skip, naming the missing op; scheme and kernel, the
 online codes and scales against the offline checkpoint, every processed tensor against the
 direct engine's, the storage, the memory peak and the refusals are checked all the same.
 """
@@ -179,6 +181,22 @@ def test_w4a16_engine_start_refusals(artifacts):
     assert group_err and group_err.startswith("ConfigError"), group_err
     for part in ("ASCEND_RL_FLASHRL_INT4_GROUP_SIZE=128", f"group size {paths['group_size']}", "--group-size 128"):
         assert part in group_err, (part, group_err)
+
+
+def test_w4a16_refused_at_engine_start_without_the_cpu_matmul(artifacts):
+    """An AVX2-only x86 CPU (simulated: vLLM loads its real ``_C_AVX2`` library, which has no
+    ``cpu_gemm_wna16``): a ``fn: w4a16`` engine is refused when it is configured, naming the
+    missing op, the CPU it needs and INT8 W8A8 instead -- not started to fail at its warm-up
+    forward with vLLM's AttributeError."""
+    if running_stack() != "current":
+        pytest.skip("vLLM 0.13 has no CPUWNA16LinearKernel: fn w4a16 is refused before any kernel library is "
+                    "asked (test_w4a16_engine_start_refusals)")
+    wd, paths = artifacts
+    env = dict(ENGINE_ENV, ASCEND_RL_AUTOLOAD="0", VLLM_CPU_INT4_W4A8="0", ARP_TEST_CPU_ISA="avx2")
+    (err,) = run_scenario(SCENARIO, "start_errors", paths["bf16_a"], [paths["config"]], env=env, timeout=900)
+    assert err and err.startswith("ConfigError"), err
+    for part in ("fn='w4a16'", "torch.ops._C.cpu_gemm_wna16", "AVX-512", "_C_AVX2", "int8 W8A8"):
+        assert part in err, (part, err)
 
 
 def test_w4a16_flags_and_config_are_validated(tiny_model_path):

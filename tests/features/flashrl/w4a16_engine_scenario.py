@@ -66,13 +66,24 @@ def without_warm_up_forward() -> None:
     AVX2 kernel library): the warm-up would call it and the engine would never start, although
     everything the reload tests check -- the scheme and kernel vLLM selects, its weight
     post-processing, flashrl's online quantization into the kernel's storage, the refusals --
-    runs without a matmul. Nothing else of the engine start changes; the callers generate
-    nothing in this mode."""
+    runs without a matmul. flashrl refuses a ``fn: w4a16`` engine start on such a build
+    (``fp8_support.cpu_w4a16_matmul_missing``, tested by
+    ``test_w4a16_refused_at_engine_start_without_the_cpu_matmul``); an engine that never runs
+    a forward never calls the matmul, so here that check is doubled to answer "present".
+    Nothing else of the engine start changes; the callers generate nothing in this mode."""
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from ascend_rl_plugins.features.flashrl import fp8_support
 
     def warming_up_model_skipped(self) -> None:
         return None
     CPUModelRunner.warming_up_model = warming_up_model_skipped
+    fp8_support.cpu_w4a16_matmul_missing = _matmul_never_called
+
+
+def _matmul_never_called() -> None:
+    """Double of ``fp8_support.cpu_w4a16_matmul_missing`` for engines without a forward."""
+    return None
 
 
 def make_llm(model: str, **kwargs):
