@@ -73,7 +73,8 @@ FEATURE = Feature(
                 "sub-ring cp_para and the odd-ring overlap-group fix on a 3-rank gloo ring",
         static="MindSpeed 028de58: ringattn_context_parallel, RingP2P.__init__ and the cp_para keys "
                "the rewrite sets"),
-    stacks="recipe (+ MindSpeed), current (unfused RoPE / TE fused THD RoPE path; no MindSpeed)")
+    stacks="recipe (+ MindSpeed); current: its hook points resolve, but verl 0.9.1's trainer forwards "
+           "through its model engine (preprocess_thd_engine), which HDP does not cover: no effect there")
 
 REMOVE_WHEN = ("Megatron-Core / verl context parallelism regroups CP ranks per micro-batch for arbitrary "
                "group sizes with MindSpeed's ring attention (Megatron-Core 0.16's hybrid_context_parallel "
