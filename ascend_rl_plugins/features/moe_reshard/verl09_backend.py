@@ -44,9 +44,10 @@ this backend's, its topology and group are built every sync); unset, trainer ran
 verl's full export (experts included) to every rollout rank, as a broadcast backend would.
 
 The group is a gloo process group of its own (``torch.distributed.ProcessGroupGloo`` over a
-``TCPStore`` at trainer rank 0), outside both sides' ``torch.distributed`` worlds; buffers are in
-host memory. On an NPU cluster HCCL would carry the same exchange between device buffers; that
-transport is not built here (README, "What only an NPU can show").
+``TCPStore`` at trainer rank 0, started by its ``prepare`` on a port the kernel picks: the store
+holds that port from the moment it is published), outside both sides' ``torch.distributed``
+worlds; buffers are in host memory. On an NPU cluster HCCL would carry the same exchange between
+device buffers; that transport is not built here (README, "What only an NPU can show").
 
 Trainer side input: the training engine itself, which stock verl 0.9.1 hands only to its
 ``delta_sharded`` backend; the feature's patch of ``ActorRolloutRefWorker.update_weights``
@@ -58,8 +59,10 @@ falls back (the export moves whole, as broadcast) and says why.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
+import numbers
 import pickle
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -74,6 +77,9 @@ EXPERT_MAPS = ("auto", "live", "config")
 # checkpoint-engine group: the manager never calls a backend for it); "delta_sharded" (its
 # rollout side speaks the "delta_flush" wire format, which verl reads off this backend's class)
 NOT_A_FALLBACK = frozenset({BACKEND, "naive", "delta_sharded"})
+# the longest group timeout accepted: a year. torch adds the timeout to its clock's now, and far
+# above this that sum overflows (torch 2.9.1 and 2.11: a 10**6-day store timeout timed out at once)
+MAX_TIMEOUT_S = 365 * 24 * 3600
 
 
 def fallback_backends() -> list[str]:
@@ -126,8 +132,9 @@ class Options:
         if opts.expert_maps not in EXPERT_MAPS:
             raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.expert_maps must be one of {EXPERT_MAPS} "
                              f"(where a rollout rank's expert map is read), got {opts.expert_maps!r}")
-        if not opts.timeout_s > 0:
-            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.timeout_s must be > 0, got {opts.timeout_s!r}")
+        if not _is_timeout(opts.timeout_s):
+            raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.timeout_s must be a finite number of seconds "
+                             f"> 0 and <= {MAX_TIMEOUT_S} (a year; the group's timeout), got {opts.timeout_s!r}")
         if opts.fallback_backend is not None and opts.fallback_backend not in fallback_backends():
             raise ValueError(f"checkpoint_engine.engine_kwargs.{BACKEND}.fallback_backend must be one of "
                              f"{fallback_backends()} (the verl checkpoint-engine backends registered in this process, "
@@ -144,6 +151,16 @@ class Options:
         return placement_map(self.expert_placement, ep, rollout_rank % ep, num_experts)
 
 
+def _is_timeout(value) -> bool:
+    """A usable group timeout: a real number of seconds in ``(0, MAX_TIMEOUT_S]``. Checked when
+    verl builds the engine because otherwise it surfaces only at the first sync, far from the
+    configuration: 0 or less times every wait of the group out at once, NaN or infinity fail
+    converting to a ``timedelta``, a huge one overflows torch's deadline. A bool is refused
+    (``True`` is no number of seconds)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 < value <= MAX_TIMEOUT_S)
+
+
 # -- the group ---------------------------------------------------------------------------------
 
 class Link:
@@ -151,15 +168,16 @@ class Link:
     sides' ``torch.distributed`` worlds (the trainer's is Megatron's, the rollout workers' their
     own), with the collectives the backend uses: ``pg`` over every rank (votes, the reshard's
     all-to-alls) and ``fan`` over trainer rank 0 and the rollout ranks (the broadcast: the other
-    trainer ranks neither send nor receive there)."""
+    trainer ranks neither send nor receive there). ``store``: rank 0's store, already listening
+    at ``host:port`` (:func:`open_store`); None: this rank opens its own at ``host:port`` (the
+    server on rank 0, a client elsewhere)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, trainer_world: int, timeout_s: float):
-        import datetime
-
+    def __init__(self, host: str, port: int, rank: int, world: int, trainer_world: int, timeout_s: float,
+                 store=None):
         import torch.distributed as dist
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world = rank, world
-        self._store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
+        self._store = store if store is not None else dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{BACKEND}/all/", self._store), rank, world, timeout)
         fan = [0] + list(range(trainer_world, world))
         self.fan = None
@@ -204,10 +222,20 @@ class Link:
                                      dist.AllToAllOptions())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def open_store(host: str, timeout_s: float):
+    """Trainer rank 0's store for the next group, listening now on a port the kernel picks
+    (``store.port``; torch's server listens on every interface, ``host`` is where this rank's own
+    client reaches it: the address the other ranks are given).
+
+    Why here and not at ``init_process_group``: the port is published by ``prepare`` and the
+    store starts only after every rank's ``prepare`` and ``build_topology``; a port merely found
+    free at ``prepare`` can be taken by any other bind meanwhile -- gloo's own connections
+    included -- and the store then fails with EADDRINUSE on every rank. A store that listens
+    from the start holds its port until the group is done. It does not wait for the other ranks
+    (no world size): the gloo groups built over it do."""
+    import torch.distributed as dist
+    return dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def _node_address() -> str:
@@ -407,6 +435,7 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
             self.fallback = CheckpointEngineRegistry.new(self.options.fallback_backend, bucket_size=bucket_size,
                                                          **master, **self.options.fallback_kwargs)
         self.link: Link | None = None
+        self._store = None            # trainer rank 0: the store its prepare started for the next group
         self.trainer_world = 0
         self.last: SyncReport | None = None
         # rollout side: reads the experts this rank's live engine hosts, at every sync: set by
@@ -418,11 +447,14 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
 
     # -- topology ------------------------------------------------------------------------------
     def prepare(self) -> dict:
-        """Trainer rank 0 picks the group's address; with a fallback backend every rank also
-        carries that backend's own ``prepare`` metadata (its group is built beside this one)."""
+        """Trainer rank 0 starts the group's store (:func:`open_store`) and publishes its address;
+        with a fallback backend every rank also carries that backend's own ``prepare`` metadata
+        (its group is built beside this one)."""
         meta = {}
         if self.is_master:
-            meta = {"host": self.options.master_address or _node_address(), "port": _free_port()}
+            host = self.options.master_address or _node_address()
+            self._store = open_store(host, self.options.timeout_s)   # replaces one an unfinished sync left
+            meta = {"host": host, "port": self._store.port}
         if self.fallback is not None:
             meta.update(fallback_backend=self.options.fallback_backend, fallback=self.fallback.prepare())
         return meta
@@ -453,15 +485,21 @@ class AllToAllVCheckpointEngine(CheckpointEngine):
     def init_process_group(self, rank: int, world_size: int, master_metadata: dict, trainer_world_size: int,
                            fallback_kwargs: dict | None = None):
         """This backend's group, and the fallback backend's beside it (built every sync, as verl
-        would build it: which path a sync takes is only known once every rank has voted)."""
-        self.link = Link(master_metadata["host"], int(master_metadata["port"]), rank, world_size,
-                         trainer_world_size, self.options.timeout_s)
+        would build it: which path a sync takes is only known once every rank has voted). Rank 0
+        serves the group from the store its ``prepare`` started when the address is the one it
+        published (always, under verl's manager); an address chosen by whoever drives the backend
+        instead (a harness without Ray) gets a store opened at it, as every other rank does."""
+        port = int(master_metadata["port"])
+        prepared, self._store = self._store, None
+        store = prepared if rank == 0 and prepared is not None and prepared.port == port else None
+        self.link = Link(master_metadata["host"], port, rank, world_size, trainer_world_size,
+                         self.options.timeout_s, store=store)
         self.trainer_world = trainer_world_size
         if self.fallback is not None:
             self.fallback.init_process_group(**(fallback_kwargs or {}))
 
     def finalize(self):
-        self.link = None
+        self.link, self._store = None, None
         if self.fallback is not None:
             self.fallback.finalize()
 

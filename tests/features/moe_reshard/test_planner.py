@@ -259,6 +259,31 @@ def test_replicated_owners_share_the_sending_at_the_lower_bound_with_the_total_a
     assert balanced.busiest_receiver == receiver_lower_bound(shape, training, rollout)
 
 
+@pytest.mark.parametrize("training,experts", [
+    pytest.param(TrainingLayout(tp=4, ep=1), 2, id="edp4"),              # 6 units over 4 owners
+    pytest.param(TrainingLayout(tp=5, ep=1), 2, id="edp5"),              # 6 units over 5 owners
+    pytest.param(TrainingLayout(tp=8, ep=1, etp=2), 2, id="etp2-edp4"),  # two shards, 6 units over 4 owners each
+])
+def test_every_owner_of_a_shard_sends_its_share_not_the_lowest_ranks_up_to_the_cap(training, experts):
+    """The owners of a shard (its expert data-parallel replicas) on one node share its wire units
+    evenly: each sends the floor or the ceiling of its group's units over its members. The cap
+    alone does not make that happen: with 6 units over 4 owners it is 2 units, and filling the
+    lowest ranks up to it gives 2, 2, 2, 0 -- the same busiest sender, but one owner idle while
+    another carries its share (the least-loaded rule gives 2, 2, 1, 1)."""
+    shape = MoEShape(num_layers=1, num_experts=experts, hidden=4, ffn_hidden=4, dtype_bytes=2)
+    trainers = training.tp
+    rollout = RolloutLayout(1, 1, True, (tuple(range(experts)),), first_rank=trainers)   # one rank hosts all
+    p = plan(shape, training, rollout, bucket_bytes=1 << 20, ranks_per_node=16)
+    p.validate()
+    unit = {t.nbytes for t in p.transfers if t.src != t.dst}
+    assert len(unit) == 1, unit                                                   # units of one size
+    unit = unit.pop()
+    for owners in set(p.training.owner_table(shape).values()):
+        sent = [p.bytes_sent(r) // unit for r in owners]
+        share, extra = divmod(sum(sent), len(owners))
+        assert sorted(sent) == [share] * (len(owners) - extra) + [share + 1] * extra, (owners, sent)
+
+
 def test_oversized_slice_travels_alone():
     shape = MoEShape(num_layers=1, num_experts=2, hidden=4, ffn_hidden=8, dtype_bytes=2)   # 64 B per slice
     p = plan(shape, TrainingLayout(tp=1, ep=2), RolloutLayout.from_expert_maps(1, 2, [[1], [0]]), bucket_bytes=10)

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from ascend_rl_plugins.features import moe_reshard as feature
-from tests.support.child import free_port, run_group
+from tests.features.moe_reshard.verl09_scenario import BAD_TIMEOUTS, GOOD_TIMEOUTS, PublishedPort
+from tests.support.child import free_port, rebuild, run_group
 from tests.support.stacks import require_installed
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "ASCEND_RL_AUTOLOAD": "0",
@@ -160,6 +161,32 @@ def test_bad_engine_kwargs_are_refused_when_verl_builds_the_engine(checks, key, 
     assert err.startswith("ValueError: checkpoint_engine.engine_kwargs.ascend_rl_alltoallv") and says in err, err
     if key == "fallback_backend":       # names what it got and what is excluded
         assert "got 'ncll'" in err and "'naive'" in err and "'delta_sharded'" in err, err
+
+
+@pytest.mark.parametrize("value", BAD_TIMEOUTS, ids=repr)
+def test_a_timeout_that_is_not_a_positive_finite_number_of_seconds_is_refused_when_verl_builds_the_engine(
+        checks, value):
+    """0 or less would time every wait of the group out at once, NaN, infinity or more than a year
+    fail only at the first sync (torch's timedelta / deadline), text, None or a bool are no number
+    of seconds: each is refused up front, naming the key and what it accepts."""
+    err = checks["bad_kwargs"][f"timeout_s={value!r}"]
+    assert err == ("ValueError: checkpoint_engine.engine_kwargs.ascend_rl_alltoallv.timeout_s must be a finite "
+                   f"number of seconds > 0 and <= 31536000 (a year; the group's timeout), got {value!r}"), err
+
+
+def test_positive_finite_timeouts_up_to_a_year_are_taken_as_given(checks):
+    assert checks["good_timeouts"] == {repr(value): value for value in GOOD_TIMEOUTS}
+
+
+def test_the_port_trainer_rank_0_publishes_is_held_by_its_store_until_the_group_forms(checks):
+    """verl's manager gathers every rank's prepare metadata before any rank calls
+    init_process_group; meanwhile another bind on the node may take a port that was merely found
+    free (the store then fails with EADDRINUSE on every rank). Here another socket tries to take
+    the published port before each of two syncs: it cannot, and the group forms at that port."""
+    r = rebuild(PublishedPort, checks["published_port"])
+    assert r.errors == ["", ""], r.errors
+    assert r.taken_by_other == [False, False] and all(p > 0 for p in r.ports), r
+    assert r.gathered == [[0, 1], [0, 1]]
 
 
 def test_the_patch_hands_the_training_engine_to_a_backend_that_takes_it_and_nothing_else_changes(checks):

@@ -1,5 +1,6 @@
 """verl 0.9.1 checkpoint-engine backend ``ascend_rl_alltoallv`` between real Megatron-Core trainer
-processes and rollout processes (run by test_verl09_backend.py; never imported by pytest itself).
+processes and rollout processes (run by test_verl09_backend.py in child processes; the test
+imports only its records).
 
 Two process groups, as in verl 0.9.1: the trainer's (4 gloo ranks: Megatron-Core 0.16.1's
 ``parallel_state`` and a real GPTModel from the CPU harness, local layers, SequentialMLP or
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict, dataclass
 
 ARCH = dict(layers=2, hidden=64, moe_ffn_hidden=32, heads=4, query_groups=2, kv_channels=16, vocab=64, seq_len=8,
             experts=4)
@@ -324,14 +326,84 @@ def registry_and_handoff() -> dict:
                         ("expert_placement", dict(expert_placement="random")), ("unknown", dict(replica_size=2)),
                         ("fallback_backend", dict(fallback_backend="ncll")),
                         ("fallback_kwargs", dict(fallback_kwargs={"group_name": "x"})),
-                        ("expert_maps", dict(expert_maps="stale"))):
+                        ("expert_maps", dict(expert_maps="stale")),
+                        *((f"timeout_s={value!r}", dict(timeout_s=value)) for value in BAD_TIMEOUTS)):
         try:
             CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=1 << 20, **kwargs)
             bad[key] = "accepted"
         except Exception as exc:  # noqa: BLE001 -- the test reads the message
             bad[key] = f"{type(exc).__name__}: {exc}"
-    out = {"registry": registry, "bad_kwargs": bad, "live_map": _live_map(engine), "handoff": _handoff()}
+    good = {repr(value): CheckpointEngineRegistry.new(moe_reshard.BACKEND, bucket_size=1 << 20,
+                                                      timeout_s=value).options.timeout_s for value in GOOD_TIMEOUTS}
+    out = {"registry": registry, "bad_kwargs": bad, "good_timeouts": good, "live_map": _live_map(engine),
+           "handoff": _handoff(), "published_port": asdict(_published_port())}
     out["naive"] = _naive_scope()
+    return out
+
+
+BAD_TIMEOUTS = (0, 0.0, -1, float("nan"), float("inf"), 365 * 24 * 3600 + 1, "30", None, True)
+GOOD_TIMEOUTS = (0.5, 30, 365 * 24 * 3600)
+
+
+@dataclass
+class PublishedPort:
+    """Two syncs of a group of trainer rank 0 and one rollout rank; in each, between ``prepare``
+    and ``init_process_group``, another socket tries to bind the port trainer rank 0 published --
+    what any listener or outgoing connection on the node may do while verl's manager gathers
+    every rank's metadata. Per sync: the port published, whether the other socket got it, the
+    error of forming the group ("" where it formed) and what an all-gather over it returned."""
+    ports: list[int]
+    taken_by_other: list[bool]
+    errors: list[str]
+    gathered: list[list[int]]
+
+
+def _published_port() -> PublishedPort:
+    import concurrent.futures
+    import socket
+
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    from ascend_rl_plugins.features import moe_reshard
+    import_external_libs(moe_reshard.BACKEND_MODULE)
+    # a short group timeout: where the port was lost, rank 1 waits for the store only this long
+    kwargs = dict(bucket_size=1 << 20, master_address="127.0.0.1", timeout_s=10.0)
+    ranks = [CheckpointEngineRegistry.new(moe_reshard.BACKEND, is_master=True, **kwargs),
+             CheckpointEngineRegistry.new(moe_reshard.BACKEND, **kwargs)]
+    cls = type(ranks[0])
+    out = PublishedPort([], [], [], [])
+    for _sync in range(2):
+        metadata = [engine.prepare() for engine in ranks]
+        trainer_side, rollout_side = cls.build_topology(1, 1, metadata)
+        other = socket.socket()
+        try:
+            other.bind(("", metadata[0]["port"]))
+            other.listen()
+            taken = True
+        except OSError:
+            taken = False
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:   # both ranks join together
+                joined = [pool.submit(engine.init_process_group, **{k: v[0] for k, v in side.items()})
+                          for engine, side in zip(ranks, (trainer_side, rollout_side))]
+                # the other socket goes once the group formed or a rank failed: rank 1, connected to
+                # it where it took the port, then fails within the group timeout instead of waiting
+                concurrent.futures.wait(joined, return_when=concurrent.futures.FIRST_EXCEPTION)
+                other.close()
+                errors = [f.exception() for f in joined]
+                if not any(errors):
+                    gathered = [pool.submit(e.link.all_gather_object, e.link.rank) for e in ranks]
+                    out.gathered.append(gathered[0].result())
+                    gathered[1].result()
+        finally:
+            other.close()
+            for engine in ranks:
+                engine.finalize()
+        out.ports.append(metadata[0]["port"])
+        out.taken_by_other.append(taken)
+        out.errors.append("; ".join(f"rank {r}: {type(e).__name__}: {str(e).splitlines()[0]}"
+                                    for r, e in enumerate(errors) if e))
     return out
 
 
