@@ -47,7 +47,7 @@ MIN_MATCH = flags.define(
 ADAPTIVE = flags.define(
     "ASCEND_RL_SAM_ADAPTIVE", "bool", False,
     "Confidence cap: a matched suffix of length L proposes at most L tokens (a larger share "
-    "of draft tokens accepted, fewer accepted per step). Default changed from on to off: SAM "
+    "of draft tokens accepted, fewer accepted per step). Off by default: SAM "
     "speculates in the long tail of a rollout, where verifying a few more draft tokens costs "
     "almost nothing and accepted tokens per step is what shortens it.",
     feature="sam")
@@ -55,9 +55,9 @@ BATCH_THRESHOLD = flags.define(
     "ASCEND_RL_SAM_BATCH_THRESHOLD", "int", 0,
     "Speculate only while at most this many requests are scheduled (0: no fixed threshold). "
     "Above it the automaton keeps ingesting tokens but no draft is proposed or scheduled. "
-    "Default changed from 32 to 0: the draft-length rule (ASCEND_RL_SAM_TOKEN_COST, "
+    "By default the draft-length rule (ASCEND_RL_SAM_TOKEN_COST, "
     "ASCEND_RL_SAM_COMPUTE_BOUND_BATCH) decides per token from the batch size; a value here "
-    "still overrides it.",
+    "overrides it (the recipe's VLLM_SPECULATIVE_BATCH_SIZE_THRE was 32).",
     aliases=("VLLM_SPECULATIVE_BATCH_SIZE_THRE",), minimum=0, feature="sam")
 RECENT_LEN = flags.define(
     "ASCEND_RL_SAM_RECENT_LEN", "int", 32,
