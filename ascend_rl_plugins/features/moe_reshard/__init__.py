@@ -114,9 +114,9 @@ FEATURE = Feature(
                     "with a tiny Qwen3-MoE receiving the resharded weights, token- and "
                     "parameter-identical to an engine started on them; verl 0.6.1's real "
                     "vLLMAsyncRollout.update_weights on a real vLLM 0.13 engine",
-        static="verl 0.9.1 MegatronEngine.get_per_tensor_param (Megatron-Bridge export, not installable "
-               "here: the backend's dense tensors come from it, read not run), CheckpointEngineManager's "
-               "prepare / topology order, the rollout-side engine construction",
+        static="CheckpointEngineManager's prepare / topology order, the rollout-side engine construction "
+               "(verl 0.9.1's MegatronEngine.get_per_tensor_param through Megatron-Bridge 0.3.1, where the "
+               "backend's dense tensors come from, runs for real on CPU: test_verl09_mcore_engine.py)",
         npu="not run: HCCL all-to-all-v speed (the verl 0.9 backend's group is gloo, host buffers), "
             "vLLM-Ascend's w13/w2 transposes after wake-up, MC2 dispatch after an in-place update (README)"),
     stacks="recipe (verl 0.6.1 hooks, vLLM 0.13 engine), current (verl 0.9.1 checkpoint-engine backend "
