@@ -162,6 +162,9 @@ class ExpectedWorkRouter:
         self._handles: dict[str, Any] = {}
         self._policy = routing.RoutingPolicy(self._shell.routing)
         self._waiting: dict[str, asyncio.Future] = {}
+        # requests a replica's death put back in the queue, whose callers have not asked again
+        # yet: request id -> the replica they were bound to since (None: still queued)
+        self._displaced: dict[str, str | None] = {}
         self._configured = False
         self._configuring: asyncio.Lock | None = None
         self._poller: asyncio.Task | None = None
@@ -179,6 +182,9 @@ class ExpectedWorkRouter:
 
     async def acquire_server(self, request_id: str, prompt_ids=None, **extra) -> tuple[str, Any]:
         await self._configure()
+        rebound = self._displaced.pop(request_id, None)
+        if rebound is not None:  # its replica died; the router re-bound it before it asked again
+            return rebound, self._handles[rebound]
         now = time.monotonic()
         bound = self._policy.submit(request_id, len(prompt_ids) if prompt_ids is not None else 0,
                                     prompt_key(prompt_ids), now)
@@ -190,15 +196,31 @@ class ExpectedWorkRouter:
         try:
             server_id = await future
         except asyncio.CancelledError:
+            # the caller gave up while waiting, or as the router answered: nothing of the
+            # request may stay (no queue entry, no slot nobody would release)
             self._waiting.pop(request_id, None)
-            self._policy.cancel(request_id)
+            self._drop_request(request_id)
             raise
         return server_id, self._handles[server_id]
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
         now = time.monotonic()
+        self._displaced.pop(request_id, None)
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None and not waiting.done():   # its caller gave up while it waited
+            waiting.cancel()                               # again (a hand-back, a death)
         self._policy.release(server_id, request_id, now)
         self._hand_out(self._policy.dispatch(now))
+
+    def cancel_request(self, request_id: str) -> None:
+        """Not verl's protocol (``MigratingLLMServerClient`` calls it): the caller's
+        ``generate`` was cancelled before it held a replica. Cancelling the caller's Ray call
+        does not cancel the acquire waiting here, so the client says so: the acquire ends and
+        the request leaves the queue, or, bound already, its slot."""
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+        self._drop_request(request_id)
 
     def add_servers(self, servers: dict[str, Any]) -> None:
         for server_id, handle in servers.items():
@@ -208,9 +230,23 @@ class ExpectedWorkRouter:
             self._hand_out(self._policy.dispatch(time.monotonic()))
 
     def remove_servers(self, server_ids: list[str]) -> None:
+        """The replicas leave (verl removed them, or ``server_died``): they take no new work,
+        and their bound requests go back to the head of the queue, bound again as room comes
+        (a caller whose hop there failed acquires again and gets its new replica); verl's
+        ``add_servers`` brings a replica back."""
         for server_id in server_ids:
             self._handles.pop(server_id, None)
-            self._policy.remove_replica(server_id)
+            for request_id in self._policy.remove_replica(server_id):
+                if request_id not in self._waiting:
+                    self._displaced[request_id] = None
+        if self._configured and self._policy.replicas:
+            self._hand_out(self._policy.dispatch(time.monotonic()))
+
+    def server_died(self, server_id: str) -> None:
+        """Not verl's protocol (``MigratingLLMServerClient`` calls it when a replica's engine
+        has died): it leaves the router's books as ``remove_servers`` says, instead of looking
+        idle and taking every queued request."""
+        self.remove_servers([server_id])
 
     # -- tail migration (not verl's protocol: MigratingLLMServerClient calls these) ----------
     def get_server_handles(self) -> dict[str, Any]:
@@ -221,6 +257,16 @@ class ExpectedWorkRouter:
         """A migrating client moved ``request_id``: its load follows it (the source gets room,
         the queue is dispatched); the client releases it on ``destination``."""
         moved = self._policy.move(request_id, source, destination)
+        if not moved and request_id in self._displaced:
+            # ``source`` died and the router put the request back in its queue (or bound it
+            # again, for its caller to collect), but its client has moved it to
+            # ``destination`` meanwhile: counted there from now on
+            rebound = self._displaced[request_id]
+            moved = (self._policy.place(request_id, destination, time.monotonic()) if rebound is None
+                     else rebound == destination
+                     or self._policy.move(request_id, rebound, destination))
+            if moved:
+                del self._displaced[request_id]
         if moved:
             self._hand_out(self._policy.dispatch(time.monotonic()))
         return moved
@@ -272,9 +318,17 @@ class ExpectedWorkRouter:
             future = self._waiting.pop(d.request_id, None)
             if future is not None and not future.done():
                 future.set_result(d.server_id)
+            elif d.request_id in self._displaced:  # its caller asks again later: kept for it
+                self._displaced[d.request_id] = d.server_id
             elif future is None:  # bound, but nobody waits (cannot happen; keep counts right)
                 self._policy.release(d.server_id, d.request_id, time.monotonic())
         return mine
+
+    def _drop_request(self, request_id: str) -> None:
+        """Nothing of a request whose caller gave up stays; a slot it held goes to the queue."""
+        self._displaced.pop(request_id, None)
+        if self._policy.cancel(request_id) and self._policy.replicas:
+            self._hand_out(self._policy.dispatch(time.monotonic()))
 
     async def _configure(self) -> None:
         """Once, before the first request: read the servers' rollout config (an RPC, so not

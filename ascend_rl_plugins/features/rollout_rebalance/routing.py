@@ -128,6 +128,15 @@ class _Pending:
     seq: int  # arrival order
 
 
+@dataclass(frozen=True)
+class _Bound:
+    """Where a request in flight runs, and what it needs again if it goes back to the queue."""
+
+    server_id: str
+    prompt_tokens: int
+    group: str
+
+
 @dataclass
 class Dispatch:
     """One decision: ``request_id`` goes to ``server_id`` (``queued``: it waited in the queue)."""
@@ -189,10 +198,14 @@ class RoutingPolicy:
         self.sticky: OrderedDict[str, str] = OrderedDict()
         self.mean_response_tokens = 0.0  # reported by the servers; 0: not yet
         self.max_response_tokens = 0  # the rollout's response_length (0: unknown)
-        self._queue: list = []  # (key, seq, _Pending)
+        self._queue: list = []  # (key, seq, _Pending); entries not in ``_pending`` are stale
         self._seq = 0
-        self._started: dict[str, tuple[float, str]] = {}  # request_id -> (start, group)
-        self._cancelled: set[str] = set()  # queued requests whose caller gave up
+        self._pending: dict[str, _Pending] = {}  # request_id -> its live queue entry
+        self._bound: dict[str, _Bound] = {}  # request_id -> where it runs now
+        # request_id -> when it was first bound: kept while it is handed back or displaced by
+        # a replica's death and bound again, so its duration (what ``lengths`` learns from)
+        # covers its whole life, not its last hop; dropped when it is released or cancelled
+        self._started: dict[str, float] = {}
         # request id -> tokens it had generated when its replica preempted it and its client
         # handed it back (``requeue``), until it is bound again
         self.requeued: dict[str, int] = {}
@@ -202,8 +215,23 @@ class RoutingPolicy:
         if server_id not in self.replicas:
             self.replicas[server_id] = ReplicaState(server_id, self.settings.slots or max(int(slots), 1))
 
-    def remove_replica(self, server_id: str) -> None:
-        self.replicas.pop(server_id, None)
+    def remove_replica(self, server_id: str) -> list[str]:
+        """The replica leaves (it died, or verl removed it): it takes no new work, and every
+        request bound to it goes back to the head of the queue (ahead of handed-back ones:
+        its generated tokens are unknown here), keeping its first-bind time; their sticky
+        entries go too. ``add_replica`` with the same id brings it back. Returns the ids
+        displaced, in the order they were bound there."""
+        replica = self.replicas.pop(server_id, None)
+        if replica is None:
+            return []
+        displaced = list(replica.inflight)
+        for request_id in displaced:
+            bound = self._bound.pop(request_id)
+            if self.sticky.get(request_id) == server_id:
+                del self.sticky[request_id]
+            self.requeued[request_id] = 0
+            self._push(request_id, bound.prompt_tokens, bound.group)
+        return displaced
 
     def report(self, server_id: str, *, kv_capacity_tokens: int | None = None,
                kv_used_tokens: int | None = None) -> None:
@@ -231,6 +259,8 @@ class RoutingPolicy:
         every request bound now (this one, or queued ones ahead of it, or none)."""
         if not self.replicas:
             raise RuntimeError(NO_SERVERS)
+        if request_id in self._pending:  # displaced by a replica's death, its caller asks again
+            return self.dispatch(now)
         server_id = self.sticky.get(request_id)
         if server_id is not None and server_id in self.replicas:
             self.sticky.move_to_end(request_id)
@@ -240,18 +270,24 @@ class RoutingPolicy:
             server_id = list(self.replicas)[stable_index(request_id, len(self.replicas))]
             self._bind(request_id, server_id, prompt_tokens, group, now)
             return [Dispatch(request_id, server_id, False)]
-        self._seq += 1
-        pending = _Pending(request_id, int(prompt_tokens), group, self._seq)
-        heapq.heappush(self._queue, (self._key(pending), pending.seq, pending))
+        self._push(request_id, prompt_tokens, group)
         return self.dispatch(now)
 
     def release(self, server_id: str, request_id: str | None, now: float) -> None:
-        replica = self.replicas.get(server_id)
-        start = self._started.pop(request_id, None) if request_id is not None else None
-        if replica is not None and request_id in replica.inflight:
-            replica.drop(request_id, start[1] if start is not None else None)
+        """The request finished: off the books wherever the router holds it (``server_id`` is
+        where its caller acquired it; a replica's death may have re-bound it since), its
+        duration from its first bind observed. A request still queued (displaced, its caller
+        giving up) leaves the queue, with nothing observed."""
+        if request_id is None:
+            return
+        bound = self._bound.get(request_id)
+        if bound is None:
+            self._forget(request_id)
+            return
+        self._unbind(request_id)
+        start = self._started.pop(request_id, None)
         if start is not None:
-            self.lengths.observe(start[1], now - start[0])
+            self.lengths.observe(bound.group, now - start)
 
     def move(self, request_id: str, source: str, destination: str) -> bool:
         """A request in flight now runs on ``destination`` (tail migration moved it): its
@@ -261,15 +297,26 @@ class RoutingPolicy:
         src, dst = self.replicas.get(source), self.replicas.get(destination)
         if src is None or dst is None or request_id not in src.inflight or source == destination:
             return False
-        start = self._started.get(request_id)
-        group = start[1] if start is not None else None
-        expected = src.drop(request_id, group)
+        bound = self._bound[request_id]
+        expected = src.drop(request_id, bound.group)
         dst.inflight[request_id] = expected
         dst.expected_tokens += expected
-        if group is not None:
-            dst.groups[group] += 1
+        dst.groups[bound.group] += 1
+        self._bound[request_id] = _Bound(destination, bound.prompt_tokens, bound.group)
         if request_id in self.sticky:
             self.sticky[request_id] = destination
+        return True
+
+    def place(self, request_id: str, server_id: str, now: float) -> bool:
+        """A request displaced by its replica's death (queued, its caller not asking again)
+        turns out to run on ``server_id`` already (its client failed it over there first):
+        bound there, out of queue order, so the router counts it where it runs. False (nothing
+        changed) where it is not queued or ``server_id`` is unknown."""
+        pending = self._pending.get(request_id)
+        if pending is None or server_id not in self.replicas:
+            return False
+        self._forget_entry(request_id)
+        self._bind(request_id, server_id, pending.prompt_tokens, pending.group, now)
         return True
 
     def requeue(self, request_id: str, server_id: str, generated_tokens: int) -> bool:
@@ -279,8 +326,11 @@ class RoutingPolicy:
         recompute preemption freed its KV, so every replica re-prefills it at the same cost),
         and once submitted again it goes ahead of every request that never started (the pooled
         engine's single queue does that for the requests it preempts), the **fewest generated
-        tokens first**. Why that order: requests of one rollout start together, so the one that
-        had generated the least was preempted earliest and has waited longest; and a preempted
+        tokens first**. Its first-bind time stays: the duration observed at its release runs
+        from then (preempted requests are the long ones; timed from the re-bind they would
+        teach ``lengths`` that their group is short). Why that order: requests of one rollout
+        start together, so the one that had generated the least was preempted earliest and has
+        waited longest; and a preempted
         request is one nothing distinguishes yet, so its remaining work is bounded only by the
         response cap minus what it generated, the largest for the fewest generated (the
         longest-first rule of the main queue, on the only bound known). Longest-generated first
@@ -292,8 +342,7 @@ class RoutingPolicy:
         replica = self.replicas.get(server_id)
         if replica is None or request_id not in replica.inflight:
             return False
-        start = self._started.pop(request_id, None)
-        replica.drop(request_id, start[1] if start is not None else None)
+        self._unbind(request_id)
         self.sticky.pop(request_id, None)
         self.requeued[request_id] = max(int(generated_tokens), 0)
         return True
@@ -303,24 +352,30 @@ class RoutingPolicy:
         out = []
         while self._queue:
             pending = self._refreshed_head()
-            if pending.request_id in self._cancelled:
+            if self._pending.get(pending.request_id) is not pending:  # cancelled or released
                 heapq.heappop(self._queue)
-                self._cancelled.discard(pending.request_id)
                 continue
             expected = self.expected_tokens(pending.prompt_tokens, pending.group)
             server_id = self._choose(expected, pending.group)
             if server_id is None:
                 break
             heapq.heappop(self._queue)
+            del self._pending[pending.request_id]
             self._bind(pending.request_id, server_id, pending.prompt_tokens, pending.group, now, expected)
             out.append(Dispatch(pending.request_id, server_id, True))
         return out
 
-    def cancel(self, request_id: str) -> None:
-        """A queued request's caller gave up (its task was cancelled): never bind it."""
-        if any(p.request_id == request_id for _, _, p in self._queue):
-            self._cancelled.add(request_id)
-            self.requeued.pop(request_id, None)  # a handed-back one: never bound, so never popped there
+    def cancel(self, request_id: str) -> bool:
+        """The request's caller gave up (its task was cancelled): queued, it is never bound;
+        bound already (the router answered as the caller was cancelled, so nobody will release
+        it), it leaves its replica's books, with no duration observed. Either way nothing of it
+        stays: no queue entry, no slot, no hand-back record. True where it held a slot (the
+        caller should dispatch: room was freed)."""
+        held = request_id in self._bound
+        if held:
+            self._unbind(request_id)
+        self._forget(request_id)
+        return held
 
     def clear_sticky(self) -> int:
         cleared = len(self.sticky)
@@ -329,12 +384,40 @@ class RoutingPolicy:
 
     @property
     def queued(self) -> int:
-        return len(self._queue) - len(self._cancelled)
+        return len(self._pending)
 
     def inflight(self) -> int:
         return sum(len(r.inflight) for r in self.replicas.values())
 
     # -- internals -----------------------------------------------------------------------
+    def _push(self, request_id: str, prompt_tokens: int, group: str) -> None:
+        self._seq += 1
+        pending = _Pending(request_id, int(prompt_tokens), group, self._seq)
+        self._pending[request_id] = pending
+        heapq.heappush(self._queue, (self._key(pending), pending.seq, pending))
+
+    def _unbind(self, request_id: str) -> None:
+        """Off the books of the replica it is bound to (its first-bind time stays)."""
+        bound = self._bound.pop(request_id)
+        replica = self.replicas.get(bound.server_id)
+        if replica is not None and request_id in replica.inflight:
+            replica.drop(request_id, bound.group)
+
+    def _forget(self, request_id: str) -> None:
+        """Nothing of a request that is not bound stays: its queue entry, its hand-back
+        record, its first-bind time."""
+        self._forget_entry(request_id)
+        self.requeued.pop(request_id, None)
+        self._started.pop(request_id, None)
+
+    def _forget_entry(self, request_id: str) -> None:
+        """Its queue entry goes (left stale in the heap, skipped when it reaches the head)."""
+        self._pending.pop(request_id, None)
+        if len(self._queue) > 2 * len(self._pending) + 64:  # stale entries: keep the heap bounded
+            self._queue = [entry for entry in self._queue
+                           if self._pending.get(entry[2].request_id) is entry[2]]
+            heapq.heapify(self._queue)
+
     def _key(self, pending: _Pending) -> float:
         generated = self.requeued.get(pending.request_id)
         if generated is not None:   # ahead of every never-started request (keys >= -2 x max tokens)
@@ -391,15 +474,14 @@ class RoutingPolicy:
         resumed = self.requeued.pop(request_id, 0)  # a handed-back request re-prefills these too
         if expected is None:
             expected = self.expected_tokens(prompt_tokens, group)
-        previous = replica.inflight.get(request_id)
-        if previous is not None:  # the same id twice in flight (a retry): count it once
-            replica.expected_tokens -= previous
-        else:
-            replica.groups[group] += 1
+        if request_id in self._bound:  # the same id twice in flight (a retry): count it once
+            self._unbind(request_id)
+        replica.groups[group] += 1
         replica.inflight[request_id] = expected
         replica.expected_tokens += expected
         replica.tokens_bound_since_report += int(prompt_tokens) + resumed
-        self._started[request_id] = (now, group)
+        self._bound[request_id] = _Bound(server_id, int(prompt_tokens), group)
+        self._started.setdefault(request_id, now)  # a re-bind keeps the first bind's time
         self.sticky[request_id] = server_id
         self.sticky.move_to_end(request_id)
         if len(self.sticky) > self.settings.sticky_entries:

@@ -42,6 +42,7 @@ import asyncio
 import logging
 import time
 import types
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,8 @@ from .migration_client import (
 )
 
 log = logging.getLogger("ascend_rl_plugins")
+
+MOVES_KEPT = 1024   # MigrationStats.moves keeps the latest this many (the client lives across steps)
 
 
 @dataclass
@@ -166,7 +169,8 @@ class MigrationStats:
     finished: int = 0             # requests this client returned
     router_told: int = 0          # moves the router accepted (move_request returned True)
     requeued: int = 0             # hops preempted by their engine and handed back to the router
-    moves: list[MoveRecord] = field(default_factory=list)   # each planned move carried out
+    # the latest MOVES_KEPT planned moves carried out (the counters above cover the whole run)
+    moves: deque = field(default_factory=lambda: deque(maxlen=MOVES_KEPT))
 
 
 class MigratingLLMServerClient(LLMServerClient):
@@ -211,11 +215,13 @@ class MigratingLLMServerClient(LLMServerClient):
         self.preempt_poll_s = preempt_poll_s
         self._requeue: dict[str, str] = {}         # request id -> its preempted hop, aborted
         self._watcher: asyncio.Task | None = None
+        self._cleanups: set = set()   # export deletions still waiting (held until done)
 
     def __getstate__(self):   # pickled to every agent-loop worker before any request: no task
         state = dict(self.__dict__)
         state["_planner"] = None
         state["_watcher"] = None
+        state["_cleanups"] = set()
         return state
 
     @property
@@ -239,12 +245,20 @@ class MigratingLLMServerClient(LLMServerClient):
         return max(1, min(budget, rollout.max_model_len - len(prompt_ids)))
 
     async def _alive(self, server_id: str) -> bool:
+        """False where the replica's engine has died or its actor is gone for good; any other
+        error of the check (a Ray hiccup, an actor restarting) is no death: a replica marked
+        dead here stays out until the router lists it again (``_refresh_replicas``)."""
         if server_id in self.dead:
             return False
+        from ray.exceptions import ActorDiedError
         try:
             errored = await self.replicas[server_id].__ray_call__.remote(engine_errored)
-        except Exception:  # noqa: BLE001 - the actor itself is gone
+        except ActorDiedError:
             errored = True
+        except Exception as exc:  # noqa: BLE001 - transient: the replica keeps its place
+            log.warning("ascend-rl migration: checking replica %s: %s: %s (not taken as its death)",
+                        server_id, type(exc).__name__, exc)
+            errored = False
         if errored:
             self.dead.add(server_id)
         return not errored
@@ -267,6 +281,32 @@ class MigratingLLMServerClient(LLMServerClient):
             handles = await self._load_balancer.get_server_handles.remote()
             if handles:
                 self.replicas = dict(handles)
+                if hasattr(self._load_balancer, "server_died"):
+                    # this project's router drops a replica reported dead; listed again, verl
+                    # has added it back
+                    self.dead -= set(handles)
+
+    def _cancel_at_router(self, request_id: str) -> None:
+        """The caller was cancelled before it held a replica: cancelling its Ray call does not
+        end the acquire waiting in the router, so the router is told (fire-and-forget, like
+        verl's release), where it can be."""
+        if hasattr(self._load_balancer, "cancel_request"):
+            self._load_balancer.cancel_request.remote(request_id)
+
+    async def _after_death(self, request_id: str, held: list, prompt_ids: list, dead: str,
+                           load_source: str | None) -> str:
+        """``dead``'s engine died under the request's hop: where the next hop runs. With this
+        project's router, the replica leaves the router's books (``server_died``: it no longer
+        looks idle and takes every queued request) and the request is acquired again, so it
+        waits for a live slot; else the first live replica (the export's source first)."""
+        if not hasattr(self._load_balancer, "server_died"):
+            return self._pick(prefer=load_source) if load_source else self._pick(None, dead)
+        await self._load_balancer.server_died.remote(dead)
+        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids)
+        held[0] = server_id
+        if server_id not in self.replicas:
+            await self._refresh_replicas()
+        return server_id
 
     async def generate(self, request_id, *, prompt_ids: list, sampling_params: dict, **kwargs):
         movable = self.policy is not None and not any(
@@ -281,10 +321,11 @@ class MigratingLLMServerClient(LLMServerClient):
         if not movable:
             return await super().generate(request_id, prompt_ids=prompt_ids,
                                           sampling_params=sampling_params, **kwargs)
-        server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids,
-                                                  sampling_params=sampling_params, **kwargs)
-        held = [server_id]   # the replica the router counts the request on
+        held: list = [None]   # the replica the router counts the request on (None: none yet)
         try:
+            server_id, _ = await self._acquire_server(request_id, prompt_ids=prompt_ids,
+                                                      sampling_params=sampling_params, **kwargs)
+            held[0] = server_id
             if not self.replicas:
                 await self._refresh_replicas()
             return await self._hops(request_id, server_id, list(prompt_ids), dict(sampling_params),
@@ -293,7 +334,10 @@ class MigratingLLMServerClient(LLMServerClient):
             self._own.pop(request_id, None)
             self._hop.pop(request_id, None)
             self._orders.pop(request_id, None)
-            self._release_server(held[0], request_id=request_id)
+            if held[0] is None:   # cancelled (or failed) while acquiring: no slot, no queue entry
+                self._cancel_at_router(request_id)
+            else:
+                self._release_server(held[0], request_id=request_id)
 
     async def _tell_router(self, request_id: str, held: list, replica: str) -> None:
         """The request now runs on ``replica``: move its load there in the router (planned and
@@ -495,8 +539,9 @@ class MigratingLLMServerClient(LLMServerClient):
                 log.warning("ascend-rl migration: replica %s died during hop %s (%s); continuing "
                             "from %s", replica, hop_id, type(exc).__name__,
                             f"export {load_key}" if load_key else "a re-prefill")
-                replica = self._pick(prefer=load_source) if load_key else self._pick(None, replica)
                 store.delete(export_key)
+                replica = await self._after_death(request_id, held, prompt_ids, replica,
+                                                  load_source if load_key else None)
                 continue
             if planned:   # between hops nothing of the request runs: no plan may order it
                 self._hop.pop(request_id, None)
@@ -523,8 +568,10 @@ class MigratingLLMServerClient(LLMServerClient):
                 continue
             if not (aborted and destination is not None) or len(tokens) >= budget:
                 if aborted:   # aborted by verl (or late): the engine core may still hold it
-                    asyncio.ensure_future(_drop_when_written(
+                    cleanup = asyncio.ensure_future(_drop_when_written(
                         store, export_key, self.export_timeout_s, then=load_key))
+                    self._cleanups.add(cleanup)   # held until done: no task lost, none kept
+                    cleanup.add_done_callback(self._cleanups.discard)
                 elif load_key is not None:   # it ran to the end at the destination: loaded
                     store.delete(load_key)
                 store.delete(export_key)

@@ -313,3 +313,96 @@ def test_spread_places_a_groups_siblings_on_replicas_without_one_first():
     placed = policy.submit("x1", 10, "X", now=0.0)[0].server_id
     assert placed != first_x
 
+
+
+# -- replica death, cancelled callers, hand-back durations, bounded state (issue 42) ------------
+
+def test_a_dead_replicas_requests_go_back_to_the_head_and_it_takes_no_new_work():
+    """3 replicas x 1 slot, all busy, three requests waiting; s0 dies: its request goes back
+    to the head of the queue (not lost from the books, not bound to the dead replica), and
+    as the survivors free their slots it goes out first, one per slot. s0 returns when added
+    again and takes work like any replica."""
+    policy = _policy(n=3, slots=1)
+    first = {d.server_id: d.request_id
+             for i in range(3) for d in policy.submit(f"r{i}", 10, f"g{i}", now=0.0)}
+    for i in range(3, 6):
+        assert policy.submit(f"w{i}", 10, f"g{i}", now=0.0) == []
+    assert policy.remove_replica("s0") == [first["s0"]]
+    assert "s0" not in policy.replicas and policy.queued == 4 and policy.inflight() == 2
+    policy.release("s1", first["s1"], now=1.0)
+    again = policy.dispatch(now=1.0)
+    assert [(d.request_id, d.server_id) for d in again] == [(first["s0"], "s1")]
+    assert all(len(r.inflight) <= r.slots for r in policy.replicas.values())
+    policy.add_replica("s0", 1)   # verl adds it back
+    assert [d.server_id for d in policy.dispatch(now=2.0)] == ["s0"] and policy.queued == 2
+
+
+def test_a_caller_cancelled_after_the_router_bound_it_leaves_no_slot():
+    """The router answered as the caller was cancelled: nobody will release that request, so
+    the cancel takes it off its replica's books (and the queued request gets the slot)."""
+    policy = _policy(n=1, slots=1)
+    policy.submit("answered", 10, "g", now=0.0)
+    policy.submit("next", 10, "g2", now=0.0)
+    assert policy.cancel("answered") is True
+    assert policy.inflight() == 0 and policy.lengths.observed == 0
+    assert _ids(policy.dispatch(now=1.0)) == ["next"]
+    assert policy.cancel("never-seen") is False and policy.queued == 0
+
+
+def test_a_handed_back_requests_duration_runs_from_its_first_bind():
+    """Acquired at 0 s, handed back, bound again at 150 s, released at 200 s: the router
+    learns 200 s for its group, not the last hop's 50 s (preempted requests are the long
+    ones: timed from the re-bind, their groups would be ranked short)."""
+    policy = _policy(n=1, slots=1)
+    policy.submit("long", 10, "g", now=0.0)
+    assert policy.requeue("long", "s0", 500)
+    policy.submit("other", 10, "o", now=100.0)
+    assert policy.submit("long", 10, "g", now=120.0) == []
+    policy.release("s0", "other", now=150.0)
+    assert _ids(policy.dispatch(now=150.0)) == ["long"]
+    policy.release("s0", "long", now=200.0)
+    assert policy.lengths.by_group["g"][0] == 200.0
+
+
+def test_a_displaced_request_is_released_where_it_was_bound_again():
+    """A request displaced by its replica's death and bound elsewhere is released by its
+    caller on the replica it first acquired (a plain verl client): the router drops it where
+    it runs now; released while still queued, it leaves the queue."""
+    policy = _policy(n=2, slots=1)
+    a = policy.submit("a", 10, "ga", now=0.0)[0].server_id
+    policy.submit("b", 10, "gb", now=0.0)
+    policy.submit("c", 10, "gc", now=0.0)
+    policy.remove_replica(a)
+    assert policy.queued == 2
+    policy.release(a, "a", now=1.0)        # its caller gives up on the dead replica
+    assert policy.queued == 1 and policy.requeued == {}
+    survivor = next(iter(policy.replicas))
+    policy.release(survivor, "b", now=2.0)
+    assert _ids(policy.dispatch(now=2.0)) == ["c"] and policy.inflight() == 1
+
+
+def test_a_sticky_session_whose_replica_was_removed_is_routed_to_a_live_one():
+    policy = _policy(n=2, slots=4)
+    home = policy.submit("conv", 10, "t1", now=0.0)[0].server_id
+    policy.release(home, "conv", now=1.0)
+    assert policy.sticky["conv"] == home
+    policy.remove_replica(home)
+    again = policy.submit("conv", 10, "t2", now=2.0)
+    assert [d.server_id for d in again] == [next(iter(policy.replicas))] and home not in policy.replicas
+
+
+def test_the_sticky_memory_forgets_the_least_recently_used_session():
+    policy = _policy(n=2, slots=8, sticky_entries=2)
+    for rid in ("old", "mid"):
+        policy.submit(rid, 10, rid, now=0.0)
+    policy.submit("old", 10, "old", now=1.0)    # used again: now the most recent
+    policy.submit("new", 10, "new", now=2.0)
+    assert list(policy.sticky) == ["old", "new"]
+
+
+def test_yaml_kv_reserve_reaches_the_policy():
+    """``kv_reserve`` from the YAML (the flag's default equals the dataclass default, so only
+    a value set here shows whether it is passed on)."""
+    from ascend_rl_plugins.features.rollout_rebalance import router
+    assert router.settings_from({"kv_reserve": 512}).routing.kv_reserve == 512
+    assert router.settings_from({"kv_reserve": 0}).routing.kv_reserve == 0

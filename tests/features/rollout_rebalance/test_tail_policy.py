@@ -180,3 +180,13 @@ def test_every_move_is_worth_its_cost_and_moves_each_request_once(replicas, link
             if settings.reserve_expected_growth:  # and room for every request's expected growth
                 growth = sum(tp.expected_remaining(r, 32768, settings.survival) for r in final[v.server_id])
                 assert sum(r.tokens for r in final[v.server_id]) + growth <= v.kv_capacity_tokens
+
+
+def test_a_destination_needs_room_for_the_moved_requests_own_tokens_and_every_reserve():
+    """The room check counts what the moved request brings (its 8500 prompt + generated
+    tokens, held in KV at the destination) on top of the growth reserve of every request
+    there: an idle replica of 8500 + 2048 tokens takes it, one token less does not."""
+    source = _loaded_and_idle()[0]
+    exact = tp.plan_moves([source, _replica("b", kv=8500 + 2048)], STEP, FAST_LINK, 32768)
+    assert [(m.request_id, m.destination) for m in exact] == [("long", "b")]
+    assert tp.plan_moves([source, _replica("b", kv=8500 + 2047)], STEP, FAST_LINK, 32768) == []
