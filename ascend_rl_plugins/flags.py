@@ -352,12 +352,22 @@ AUTOLOAD = define("ASCEND_RL_AUTOLOAD", "bool", True,
                   feature="framework")
 
 
+# The feature and patch names ASCEND_RL_DISABLE takes besides 'all'. The patch registry
+# (patching.core, which imports this module) hands over its lister when it is created: the
+# framework's layers go one way, so this module never imports the registry's.
+_registered_names: Callable[[], Iterable[str]] = tuple
+
+
+def list_registered_names_with(lister: Callable[[], Iterable[str]]) -> None:
+    """Set where :func:`_disable_names` reads the declared feature and patch names from."""
+    global _registered_names
+    _registered_names = lister
+
+
 def _disable_names() -> list[str]:
     """What ASCEND_RL_DISABLE takes: 'all', every declared feature and every patch name. Read
-    from the patch registry when validated (imported here, not at the top: the registry's
-    module imports this one)."""
-    from .patching.core import REGISTRY
-    return ["all", *REGISTRY.features, *REGISTRY.patches]
+    from the patch registry when validated."""
+    return ["all", *_registered_names()]
 
 
 DISABLE = define("ASCEND_RL_DISABLE", "list", (),

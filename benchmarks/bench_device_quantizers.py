@@ -11,7 +11,7 @@ compared with:
 
 1. **Per-element quotient, A/B** (393216 x 4096 bf16: 128 experts x 3072 x 4096). The
    compiled formulas compute ``x / scale`` per element as a float64 multiply by the scale's
-   float64 reciprocal (:func:`~ascend_rl_plugins.features.flashrl.fused._times_reciprocal`);
+   float64 reciprocal (:func:`~ascend_rl_plugins.quant.fused._times_reciprocal`);
    before, as a float64 division. Both are timed for every compiled quantizer (each block-FP8
    form separately), and their bits compared with each other and with the eager torch path.
 2. **QAT fake quantization, 4096 x 4096 bf16, ct g128, against the forward matmul over 8192
@@ -43,7 +43,7 @@ TOKENS = 8192
 def _division_form():
     """The per-element quotient as it was before the reciprocal multiply: a float64 division."""
     import torch
-    from ascend_rl_plugins.features.flashrl import fused
+    from ascend_rl_plugins.quant import fused
     saved = (fused._reciprocal, fused._times_reciprocal)
     fused._reciprocal = lambda b: b.to(torch.float64)
     fused._times_reciprocal = lambda x, d: (x.to(torch.float64) / d).to(torch.float32)
@@ -53,7 +53,7 @@ def _division_form():
 @contextlib.contextmanager
 def quotient_form(form: str):
     import torch
-    from ascend_rl_plugins.features.flashrl import fused
+    from ascend_rl_plugins.quant import fused
     fused.STATE.reset()
     torch._dynamo.reset()
     saved = _division_form() if form == "division" else None
@@ -67,7 +67,7 @@ def quotient_form(form: str):
 
 
 def _quantizers(w):
-    from ascend_rl_plugins.features.flashrl import block_fp8, int4, quant
+    from ascend_rl_plugins.quant import block_fp8, int4, quant
     ct = int4.Int4Spec(128, "ct")
     rows = {"INT8 rows": (lambda: quant.quantize_int8_rows(w), lambda: quant.quantize_int8_rows_torch(w)),
             "INT4 pack ct g128": (lambda: int4.quantize_pack(w, ct), lambda: int4.quantize_pack_torch(w, ct)),
@@ -79,7 +79,7 @@ def _quantizers(w):
 
 
 def _same(a, b) -> bool:
-    from ascend_rl_plugins.features.flashrl.fused import same_bits
+    from ascend_rl_plugins.quant.fused import same_bits
     if isinstance(a, tuple):
         return all(same_bits(x, y) for x, y in zip(a, b))
     return same_bits(a, b)
@@ -88,7 +88,7 @@ def _same(a, b) -> bool:
 def quotient_ab(ctx, w) -> dict:
     """Section 1: each compiled quantizer under both quotient forms."""
     import torch
-    from ascend_rl_plugins.features.flashrl import fused
+    from ascend_rl_plugins.quant import fused
     out = {}
     results = {}
     for form in ("division", "reciprocal"):
@@ -133,7 +133,7 @@ def _item_reads(fn) -> int:
 def fake_quant_breakdown(ctx) -> dict:
     """Section 2."""
     import torch
-    from ascend_rl_plugins.features.flashrl import int4
+    from ascend_rl_plugins.quant import int4
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(LAYER, generator=g) * 0.02).to(torch.bfloat16).to(ctx.device)
     x = (torch.randn(TOKENS, LAYER[1], generator=g) * 0.5).to(torch.bfloat16).to(ctx.device)

@@ -76,7 +76,7 @@ QUIET = 0.10  # a reload round counts as quiet when other processes used < 10 % 
 def bench_quantization(reps: int) -> list[dict]:
     import torch
 
-    from ascend_rl_plugins.features.flashrl import quant as Q
+    from ascend_rl_plugins.quant import quant as Q
     shapes = [(2048, 2048), (5632, 2048), (2048, 5632)]
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -372,7 +372,8 @@ def build(workdir: str) -> dict:
     from safetensors.torch import save_file
 
     from ascend_rl_plugins.devtools import tiny_qwen3
-    from ascend_rl_plugins.features.flashrl import checkpoint, config, profile, quant
+    from ascend_rl_plugins.features.flashrl import checkpoint, config, profile
+    from ascend_rl_plugins.quant import quant
     a_dir = tiny_qwen3.cached(**MODEL)
     b_dir = os.path.join(workdir, "bf16_b")
     os.makedirs(b_dir, exist_ok=True)

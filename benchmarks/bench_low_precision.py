@@ -4,7 +4,7 @@ Run: ``python benchmarks/bench_low_precision.py [--size 4096] [--reps 5]`` with 
 interpreter. Everything is measured in one run, side by side, on the same bf16 weight:
 
 1. INT4 quantize + pack (GB/s of bf16 input), group 128 and 32: this project's fused
-   kernel (:func:`~ascend_rl_plugins.features.flashrl.int4.quantize_pack`, numba on CPU,
+   kernel (:func:`~ascend_rl_plugins.quant.int4.quantize_pack`, numba on CPU,
    presets ``ct`` and ``slime``) and its torch path, vs slime's formulas written plainly in
    torch (float32 copy, ``amax / 7`` per group, divide, round, clamp to +-7, int8, then
    pack 8 nibbles per int32). Target: fused >= 8x slime.
@@ -28,7 +28,7 @@ reload) can register itself there (``SECTIONS["reload"] = fn``) or be run by nam
 ``--sections``.
 
 The slime baselines are this project's own re-implementation of the formulas as the issue
-describes them (no slime code), in ``ascend_rl_plugins.features.flashrl.baselines`` so the
+describes them (no slime code), in ``ascend_rl_plugins.quant.baselines`` so the
 device self-test (``ascend-rl selftest``) measures against the same code.
 """
 
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ascend_rl_plugins.features.flashrl import baselines, block_fp8, int4  # noqa: E402
+from ascend_rl_plugins.quant import baselines, block_fp8, int4  # noqa: E402
 
 INT4_TARGET = 8.0
 FP8_TARGET = 2.0

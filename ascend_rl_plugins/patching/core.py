@@ -218,12 +218,20 @@ class Feature:
     """A named group of patches and flags; a feature module builds one at import."""
 
     def __init__(self, name: str, summary: str, flag: "_flags.Flag | None" = None, *,
-                 verified: Verified, replaces: str = "", stacks: str = ""):
+                 verified: Verified, replaces: str = "", stacks: str = "", requires: Iterable[str] = ()):
         if not _NAME_PART.match(name):
             raise PatchError(f"feature name {name!r} must be lower_snake_case")
         if not isinstance(verified, Verified):
             raise PatchError(f"feature {name}: verified= must be a Verified(...) record")
+        requires = tuple(requires)
+        for other in requires:
+            if not isinstance(other, str) or not _NAME_PART.match(other) or other == name:
+                raise PatchError(f"feature {name}: requires= takes other features' names (lower_snake_case), "
+                                 f"got {other!r}")
         self.name = name
+        # features this one reads (their switch, their state) through required(), never by
+        # importing their modules: a feature's modules are its own
+        self.requires = requires
         self.summary = summary
         self.flag = flag
         self.replaces = replaces
@@ -234,6 +242,15 @@ class Feature:
         self.extension_points: list[ExtensionPoint] = []
         self.advisories: list[Callable[[], str]] = []
         REGISTRY.add_feature(self)
+
+    def required(self, name: str) -> "Feature":
+        """The feature ``name`` that this one declared in ``requires=``, loaded if it is not yet
+        (the plugin loads every feature; a test or tool may have loaded only this one)."""
+        if name not in self.requires:
+            raise PatchError(f"feature {self.name}: {name!r} is not declared in its requires= {self.requires}")
+        import importlib
+        features_package = __name__.rsplit(".", 2)[0] + ".features"
+        return importlib.import_module(f"{features_package}.{name}").FEATURE
 
     def does_not_apply(self, *, dist: str, versions: str, why: str, import_name: str | None = None) -> None:
         """Declare a stack where this feature cannot work; ``doctor`` reports it, and counts it
@@ -697,3 +714,5 @@ def _missing_params(obj: Any, wanted: tuple[str, ...]) -> list[str]:
 
 
 REGISTRY = Registry()
+# what ASCEND_RL_DISABLE may name, read at validation time (the module's REGISTRY then)
+_flags.list_registered_names_with(lambda: [*REGISTRY.features, *REGISTRY.patches])

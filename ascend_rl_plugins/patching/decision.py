@@ -9,12 +9,27 @@ same answer for the same facts, so what doctor promises is what activation does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from .. import flags as _flags
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .core import Patch
+
+class PatchFacts(Protocol):
+    """What a decision reads of a patch (:class:`.core.Patch` has it). Spelled out here so that
+    this module does not import :mod:`.core`, which imports this one: the framework's layers
+    go one way, core -> decision."""
+
+    target: str
+    kind: str
+    create: bool
+    params: tuple[str, ...] | None
+    fixed_upstream: str
+
+    def flag_state(self) -> tuple[bool, str]: ...
+
+    def version_state(self, roots: Sequence[str] | None) -> tuple[str, str | None, str]: ...
+
+    def explicitly_enabled(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +59,7 @@ class Decision:
             return f"target missing: {self.target_where}"
         return self.flag_why
 
-    def verdict(self, p: "Patch", sibling_in_range: bool = False) -> tuple[str, bool]:
+    def verdict(self, p: PatchFacts, sibling_in_range: bool = False) -> tuple[str, bool]:
         """(doctor's verdict text, whether it is a problem the user must fix).
 
         A problem is only what the user asked for and will not get. A patch written for
@@ -68,7 +83,7 @@ class Decision:
         return ("will apply", False) if self.flag_on else ("off", False)
 
 
-def decide(p: "Patch", roots: Sequence[str] | None = None, *, check_target: bool = False) -> Decision:
+def decide(p: PatchFacts, roots: Sequence[str] | None = None, *, check_target: bool = False) -> Decision:
     """Decide ``p`` for the installed packages (``roots`` None) or an unpacked stack.
 
     Nothing is imported. A flag with a bad value raises :class:`flags.FlagError` (the
@@ -90,7 +105,7 @@ def decide(p: "Patch", roots: Sequence[str] | None = None, *, check_target: bool
     return Decision(apply, on, flag_why, vstate, version, vwhy, found, where, gate_error)
 
 
-def _resolve(p: "Patch", roots: Sequence[str] | None) -> tuple[bool, str]:
+def _resolve(p: PatchFacts, roots: Sequence[str] | None) -> tuple[bool, str]:
     """Is the target there (by reading source), and does it still take the parameters the
     patch relies on?"""
     from . import static

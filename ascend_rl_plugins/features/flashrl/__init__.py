@@ -31,6 +31,9 @@ import os
 
 from ... import flags
 from ...patching import Feature, Verified
+# ASCEND_RL_FLASHRL_DEVICE_FUSED is declared by the quantizers it switches (INT4 QAT runs them
+# too); it is listed as flashrl's and read here as flashrl.DEVICE_FUSED, as before
+from ...quant.fused import DEVICE_FUSED  # noqa: F401
 
 log = logging.getLogger("ascend_rl_plugins.flashrl")
 
@@ -62,15 +65,6 @@ INT4_PRESET = flags.define(
     "checkpoint was written with (`ascend-rl flashrl quantize --fn w4a16`): 'ct' (compressed-tensors, "
     "scale = amax/7.5, codes -8..7) or 'slime' (scale = bf16(amax/7), codes -7..7).",
     choices=("ct", "slime"), feature="flashrl")
-
-DEVICE_FUSED = flags.define(
-    "ASCEND_RL_FLASHRL_DEVICE_FUSED", "enum", "auto",
-    "Quantizers on an accelerator (FlashRL reload, INT4 QAT fake quantization): 'auto' runs the torch.compile'd "
-    "one-kernel form where inductor generates code for the device (cuda, xpu), after checking it once per process "
-    "bit for bit against the eager torch path (a mismatch warns and falls back); 'on' requires it (a failure "
-    "raises); 'off' always takes the eager torch path. Same bits in every case; NPUs take the eager path under "
-    "'auto'. CPUs always use the numba kernels.",
-    choices=("auto", "on", "off"), feature="flashrl")
 
 FEATURE = Feature("flashrl", "INT8/FP8 W8A8 and W4A16 rollout with online-quantized weight reload (FlashRL)",
                   flag=CONFIG,

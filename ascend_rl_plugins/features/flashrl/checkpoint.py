@@ -87,9 +87,10 @@ def quantize_checkpoint(src_dir: str, dst_dir: str, *, profile: Profile | None =
 # -- W4A16 (group-wise INT4) and block FP8 ------------------------------------------------
 #
 # Both converters read every tensor of the BF16 checkpoint, quantize the selected linears
-# with the project's own quantizers (:mod:`.int4`, :mod:`.block_fp8` -- the functions the
-# online reload and QAT use, so the offline checkpoint, the reloaded weights and the QAT
-# forward agree bit for bit) and keep everything else as it is.
+# with the project's own quantizers (:mod:`ascend_rl_plugins.quant.int4`,
+# :mod:`ascend_rl_plugins.quant.block_fp8` -- the functions the online reload and QAT use, so
+# the offline checkpoint, the reloaded weights and the QAT forward agree bit for bit) and keep
+# everything else as it is.
 
 SCOPES = ("all", "experts")
 FP8_BLOCK_FORMATS = ("fp8", "ct")
@@ -158,7 +159,7 @@ def quantize_checkpoint_w4a16(src_dir: str, dst_dir: str, *, group_size: int = 1
     int64 ``[2]``. ``scope="experts"`` quantizes only routed experts (slime's choice);
     ``"all"`` every decoder-layer projection. ``lm_head`` stays in high precision.
     """
-    from .int4 import Int4Spec, quantize_pack
+    from ...quant.int4 import Int4Spec, quantize_pack
     spec = Int4Spec(group_size=group_size, preset=preset)
     if not os.path.isfile(os.path.join(src_dir, "config.json")):
         raise FileNotFoundError(f"{src_dir} is not a local HF checkpoint (no config.json)")
@@ -212,7 +213,7 @@ def fp8_block_quantization_config(fmt: str, ignore: list[str], block=(128, 128))
 def quantize_checkpoint_fp8_block(src_dir: str, dst_dir: str, *, fmt: str = "fp8", scope: str = "all") -> str:
     """Write the 128x128 block-FP8 version of ``src_dir`` to ``dst_dir`` (see
     :func:`fp8_block_quantization_config` for the two layouts)."""
-    from . import block_fp8
+    from ...quant import block_fp8
     if fmt not in FP8_BLOCK_FORMATS:
         raise ValueError(f"fp8-block format must be one of {FP8_BLOCK_FORMATS}, got {fmt!r}")
     if not os.path.isfile(os.path.join(src_dir, "config.json")):

@@ -101,7 +101,7 @@ def _ready_int4(state, cfg, quantized) -> None:
     served group size; the preset flag). Raises ConfigError naming the flag/setting to change."""
     from . import INT4_GROUP_SIZE, INT4_PRESET
     from .config import ConfigError
-    from .int4 import GROUP_SIZES, Int4Spec
+    from ...quant.int4 import GROUP_SIZES, Int4Spec
     from .reload import _scheme_of, wna16_direct_layout
     if not quantized:
         raise ConfigError(f"ASCEND_RL_FLASHRL selects fn='w4a16' with model {cfg.model!r}, but the engine loaded no "

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from . import quant
+from ...quant import quant
 
 log = logging.getLogger("ascend_rl_plugins.flashrl")
 
@@ -258,8 +258,9 @@ class Int4OnlineQuantizer:
     """BF16 ``(name, tensor)`` stream in, compressed-tensors W4A16 ``pack-quantized`` stream out
     (``weight_packed`` int32 ``[out, in/8]``, ``weight_shape`` int64 ``[2]``, ``weight_scale``
     ``[out, in/G]`` last -- the engine-side reload takes it as "shard done"). The quantizer is
-    :func:`.int4.quantize_pack` with the served checkpoint's :class:`~.int4.Int4Spec`, the same
-    function the offline converter writes the checkpoint with. No smoothing: W4A16 keeps the
+    :func:`ascend_rl_plugins.quant.int4.quantize_pack` with the served checkpoint's
+    :class:`~ascend_rl_plugins.quant.int4.Int4Spec`, the same function the offline converter
+    writes the checkpoint with. No smoothing: W4A16 keeps the
     activations in 16 bits."""
 
     def __init__(self, spec, is_quantized: Callable[[str, tuple], bool]):
@@ -267,7 +268,7 @@ class Int4OnlineQuantizer:
         self.is_quantized = is_quantized
 
     def quantize_linear(self, name: str, weight: torch.Tensor, out=None, scale_out=None):
-        from .int4 import quantize_pack
+        from ...quant.int4 import quantize_pack
         return quantize_pack(weight, self.spec, out_packed=out, out_scale=scale_out, name=name)
 
     def transform(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

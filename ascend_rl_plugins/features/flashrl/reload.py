@@ -197,7 +197,7 @@ def _sliced_int_sum(args, kwargs):
     shape = list(x.shape)
     shape[rd] = 1
     if x.device.type == "cpu" and x.dtype == torch.int8 and x.stride(rd) == 1:
-        from ._cpu_kernels import int8_row_sums
+        from ...quant._cpu_kernels import int8_row_sums
         result = torch.empty(shape, dtype=torch.float32)
         int8_row_sums(x.detach() if rd == 1 else x.detach().t(), result.view(-1))
         return result if keepdim else result.squeeze(rd)
@@ -704,7 +704,7 @@ class _Update:
     def _close_w4a16(self, p: _Pending) -> None:
         """W4A16 on vLLM's CPUWNA16 kernel: the staged checkpoint-layout tensors (filled by vLLM's
         loaders) are written straight into the engine's post-processed storage -- the blocked
-        nibble layout the kernel builds (:func:`._cpu_kernels.wna16_blocked_cpu`, bit moves only)
+        nibble layout the kernel builds (:func:`ascend_rl_plugins.quant._cpu_kernels.wna16_blocked_cpu`, bit moves only)
         and the transposed scales -- without running the kernel's post-processing, whose
         unpacked int32 copy of the layer is 2x the BF16 tensor (and ~20x its copy time)."""
         rec, module = p.record, p.record.module
@@ -730,7 +730,7 @@ class _Update:
                                   f"({_desc(staged_w)}, {_desc(staged_s)})")
             if not staged_w.is_contiguous():
                 staged_w = staged_w.contiguous()
-            from ._cpu_kernels import wna16_blocked_cpu
+            from ...quant._cpu_kernels import wna16_blocked_cpu
             wna16_blocked_cpu(staged_w, live_w)
             live_s.copy_(staged_s.t())
         except BaseException:
@@ -875,7 +875,7 @@ def block_fp8_direct_layout(module: torch.nn.Module) -> str | None:
 
 class BlockFp8DirectWriter:
     """The reload's "quantizer" for ``fn: fp8_block``: each BF16 linear weight of a block-FP8
-    layer is quantized with :func:`.block_fp8.quantize` (the offline converter's function) a
+    layer is quantized with :func:`ascend_rl_plugins.quant.block_fp8.quantize` (the offline converter's function) a
     strip of 128-row blocks at a time, VNNI-packed with vLLM's own ``_C.convert_weight_packed``
     (a strip of whole 32-row groups packs independently of the rest) and copied straight into
     the engine's post-processed ``weight`` at the shard's row offset; its block scales go into
@@ -890,7 +890,7 @@ class BlockFp8DirectWriter:
         self.seen: dict[str, set[str]] = {}
 
     def quantize_linear(self, name, weight, out=None, scale_out=None):  # (timing wrapper target)
-        from . import block_fp8
+        from ...quant import block_fp8
         return block_fp8.quantize(weight, block_fp8.BLOCK, out_weight=out, out_scale_inv=scale_out, name=name)
 
     def transform(self, weights):

@@ -19,23 +19,8 @@ HDP the planner forms the micro-batches instead, knowing how each will be groupe
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from ...patching.fallback import fall_back
-
-_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
-_MEMO_SIZE = 4096
-
-
-def remember(lengths: tuple[int, ...], cp_size: int, tp: int, groups, group_of) -> None:
-    _MEMO[(tuple(lengths), cp_size, tp)] = (tuple(tuple(g) for g in groups), tuple(group_of))
-    _MEMO.move_to_end((tuple(lengths), cp_size, tp))
-    while len(_MEMO) > _MEMO_SIZE:
-        _MEMO.popitem(last=False)
-
-
-def recall(lengths: tuple[int, ...], cp_size: int, tp: int):
-    return _MEMO.get((tuple(lengths), cp_size, tp))
+from .plan_handoff import attach_plan, recall, remember  # noqa: F401 - recall: the memo's reader, as before
 
 
 def _sync_max(value: int, group) -> int:
@@ -130,7 +115,6 @@ def wrap_rearrange(enabled, policy_flag, cost_model_flag):
             return micro_batches, partitions
         from verl.utils import tensordict_utils as tu
 
-        from .verl_packing import attach_plan
         out_batches, out_parts = [], []
         for mb in result.micro_batches:
             rows = [int(i) for i in mb.sequences]

@@ -16,7 +16,7 @@ CP group and puts the rows back. With a plan:
 
 Where the plan comes from: a micro-batch formed by the planner carries it (attribute set by
 :func:`attach_plan` on its attention-mask tensor, and remembered under its rows' lengths by
-:mod:`.microbatch` for when the tensor was copied to the device); otherwise it is the
+:mod:`.microbatch` for when the tensor was copied to the device; both in :mod:`.plan_handoff`); otherwise it is the
 planner's plan for the micro-batch's row lengths -- a pure function of the lengths, the CP/TP sizes, the group
 policy and the cost model, identical on every CP rank, memoized. A plan whose groups are
 one group of all CP ranks packs exactly what upstream packs (the tests compare bit for bit).
@@ -28,13 +28,7 @@ import functools
 
 from ...patching.fallback import fall_back
 from .layout import HdpLayout, attach, layout_of
-
-PLAN_ATTRIBUTE = "_ascend_rl_hdp_plan"
-
-
-def attach_plan(attention_mask, micro_batch_plan) -> None:
-    """Attach a planner ``MicroBatchPlan`` to a micro-batch's attention-mask tensor."""
-    setattr(attention_mask, PLAN_ATTRIBUTE, micro_batch_plan)
+from .plan_handoff import PLAN_ATTRIBUTE, attach_plan, recall  # noqa: F401 - attach_plan: the writer, as before
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,7 +71,6 @@ def layout_for(attention_mask, cp_rank: int, cp_size: int, tp: int, policy: str 
         groups = tuple(tuple(sorted(int(r) for r in g)) for g in plan.groups)
         group_of = tuple(int(x) for x in plan.group_of)
     else:
-        from .microbatch import recall
         remembered = recall(lengths, cp_size, tp)  # formed by the planner, tensor copied since
         groups, group_of = remembered or planned_groups(lengths, cp_size, tp, policy, cost_model_path)
     if sum(len(g) for g in groups) != cp_size:

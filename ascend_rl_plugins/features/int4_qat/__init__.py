@@ -2,7 +2,7 @@
 
 With ``ASCEND_RL_INT4_QAT=1`` (slime: ``OPEN_TRAINING_INT4_FAKE_QAT_FLAG``) the forward of
 ``ColumnParallelLinear`` / ``RowParallelLinear`` (which ``SequentialMLP``'s experts are made of)
-and of ``GroupedMLP`` uses ``flashrl.int4.fake_quantize(weight)`` -- the same quantizer, group
+and of ``GroupedMLP`` uses ``quant.int4.fake_quantize(weight)`` -- the same quantizer, group
 size and preset the W4A16 rollout weights come from -- and the backward passes the gradient
 straight through to the master weight. Scope ``experts`` (slime's: routed experts only) or
 ``all`` (every linear of the decoder; never embedding, router or output layer).
@@ -109,7 +109,7 @@ def preset() -> str:
 
 
 def spec():
-    from ..flashrl.int4 import Int4Spec
+    from ...quant.int4 import Int4Spec
     return Int4Spec(group_size=group_size(), preset=preset())
 
 

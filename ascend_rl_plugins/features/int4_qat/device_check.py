@@ -1,7 +1,7 @@
 """INT4 QAT's device-side check for ``ascend-rl selftest``: what the fake quantization costs.
 
 Every forward of a layer under QAT first makes the fake-quantized weight
-(``flashrl.int4.fake_quantize``, the same quantizer the rollout's W4A16 weights come from),
+(``quant.int4.fake_quantize``, the same quantizer the rollout's W4A16 weights come from),
 then multiplies by it. On an accelerator the fake quantization must stay well below the
 matmul it precedes (target: <= 0.3x the forward matmul of a 4096 x 4096 layer over 8192
 tokens), and it must be bit-identical to the CPU kernel (else the trained policy is not the
@@ -24,8 +24,8 @@ LAYERS = 16         # layer forwards per timed sequence
 def run(ctx) -> list:
     import torch
     from ...selftest import CheckResult
-    from ..flashrl import int4
-    from ..flashrl.device_checks import identity_row
+    from ...quant import int4
+    from ...quant.identity import identity_row
     rows = cols = 1024 if (ctx.quick and ctx.device.type == "cpu") else 4096
     tokens = 2048 if (ctx.quick and ctx.device.type == "cpu") else 8192
     g = torch.Generator().manual_seed(5)
@@ -60,8 +60,8 @@ def fake_quant_identity_case(preset: str):
     path, on the device, each against the numba kernel called directly on a CPU copy -- never
     ``fake_quantize`` against itself: on a CPU that is the kernel twice and proves nothing."""
     import functools
-    from ..flashrl import _int4_kernels, int4
-    from ..flashrl.device_checks import IdentityCase
+    from ...quant import _int4_kernels, int4
+    from ...quant.identity import IdentityCase
     spec = int4.Int4Spec(128, preset)
     return IdentityCase(f"fake-quant {preset} g128", functools.partial(int4.fake_quantize, spec=spec),
                         functools.partial(int4.fake_quantize_torch, spec=spec),
@@ -98,8 +98,8 @@ def _step_cache(ctx, w, spec, fake_quant_s: float, matmul_s: float):
     import os
     import torch
     from ...selftest import CheckResult
-    from ..flashrl import _int4_kernels, int4
-    from ..flashrl.fused import same_bits
+    from ...quant import _int4_kernels, int4
+    from ...quant.fused import same_bits
     from . import FAKE_WEIGHT_CACHE
     from . import fake_weight_cache
     from .fake_quant import straight_through

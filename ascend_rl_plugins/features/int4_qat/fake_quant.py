@@ -1,6 +1,6 @@
 """Straight-through INT4 fake quantization of Megatron-Core weights (imported lazily: torch here).
 
-The forward weight is ``flashrl.int4.fake_quantize(weight, spec)`` -- the one INT4 quantizer
+The forward weight is ``quant.int4.fake_quantize(weight, spec)`` -- the one INT4 quantizer
 of this project, the same the rollout's W4A16 weights come from -- and the backward passes
 the gradient unchanged to the master weight (straight-through estimator). ``fake_quantize``
 works on ``[out, in]`` matrices with groups of ``G`` consecutive *input* columns, the layout
@@ -94,7 +94,7 @@ def straight_through(weight, transform, cache_key=None):
 def linear_fake_quant(weight, spec, where: str = "linear"):
     """A ``[out, in]`` weight fake-quantized (groups along ``in``); a non-finite weight is refused,
     naming ``where``, at once or before the optimizer step (``finite_checks.py``)."""
-    from ..flashrl.int4 import fake_quantize
+    from ...quant.int4 import fake_quantize
     from . import defer_finite_checks
     from .finite_checks import CHECKS
     if weight.shape[-1] % spec.group_size:

@@ -1,7 +1,7 @@
 """Non-finite QAT weights refused without a synchronization per layer (``ASCEND_RL_INT4_QAT_FINITE_CHECK``).
 
 Why: a NaN or infinite weight must never be fake-quantized silently (its scale, codes and the
-forward would be garbage), so ``flashrl.int4.fake_quantize`` checks that every group scale is
+forward would be garbage), so ``quant.int4.fake_quantize`` checks that every group scale is
 finite. Made at every call, that check is a device-to-host read: on an accelerator the host
 waits for the device at every fake-quantized layer of every forward, and can no longer queue
 the next kernels while the current matmul runs -- the per-call host time of the compiled
@@ -13,7 +13,7 @@ computed inside the quantizer's kernel) to :data:`CHECKS`, which reads all pendi
 at once -- one synchronization -- before any ``torch.optim.Optimizer.step`` of the process
 (Megatron's optimizers step a torch optimizer), and after every :data:`MAX_PENDING` verdicts
 (forwards with no optimizer step: reference and old log-probs). A non-finite weight then
-raises :class:`~ascend_rl_plugins.features.flashrl.device_math.NonFiniteWeightError` naming
+raises :class:`~ascend_rl_plugins.quant.device_math.NonFiniteWeightError` naming
 every layer whose weight was not finite, before the optimizer applies the step -- later than
 ``immediate`` (which raises in the layer's forward, naming it, at one synchronization per
 layer), never silently. On CPU the check is immediate either way (nothing to wait for).
@@ -64,7 +64,7 @@ class DeferredFiniteChecks:
         """Read every pending verdict (one synchronization per device) and raise
         ``NonFiniteWeightError`` naming the weights that were not finite."""
         import torch
-        from ..flashrl.device_math import refuse_nonfinite
+        from ...quant.device_math import refuse_nonfinite
         pending, self._pending = self._pending, []
         if not pending:
             return

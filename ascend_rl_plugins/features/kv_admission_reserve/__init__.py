@@ -33,6 +33,9 @@ import weakref
 
 from ... import flags
 from ...patching import Feature, Verified
+# the mark rollout rebalance leaves on a request it moved with its KV (see request_marks)
+from ...request_marks import EXEMPT_FROM_RESERVE as _EXEMPT
+from ...request_marks import admit_without_reserve  # noqa: F401 - this feature's API, as before
 
 STEPS = flags.define(
     "ASCEND_RL_KV_ADMISSION_RESERVE", "int", 0,
@@ -56,7 +59,6 @@ REMOVE_WHEN = "vLLM's scheduler keeps decode headroom for running requests when 
 UPSTREAM = "https://github.com/vllm-project/vllm/pull/37337"  # admission with room for decode tokens
 _ADMITTING = None  # (RequestStatus.WAITING, RequestStatus.PREEMPTED), resolved on first use
 _SCHEDULER_REF = "_ascend_rl_scheduler"
-_EXEMPT = "_ascend_rl_admit_without_reserve"
 
 
 @FEATURE.after("vllm.v1.core.sched.scheduler:Scheduler.__init__", dist="vllm", versions=VLLM_RANGE,
@@ -69,12 +71,6 @@ def link_scheduler(result, instance, args, kwargs):
     if manager is not None:
         setattr(manager, _SCHEDULER_REF, weakref.ref(instance))
     return result
-
-
-def admit_without_reserve(request) -> None:
-    """Let ``request`` skip the reserve at its next admission only (rollout rebalance marks
-    requests that arrive with their KV: its planner already checked the room they need)."""
-    request.__dict__[_EXEMPT] = True
 
 
 def reserve_blocks(num_running: int, steps: int, block_size: int) -> int:

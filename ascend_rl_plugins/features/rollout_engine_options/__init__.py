@@ -48,6 +48,7 @@ FEATURE = Feature(
     "rollout_engine_options",
     "verl 0.6 rollout: speculative decoding and graph options checked at config time and effective.",
     flag=ENABLE,
+    requires=("sam",),   # reads SAM's switch (whether method 'sam' is accepted)
     replaces="the recipe's verl patch 0012-verl-feature-enabled_sam_spec_decode / "
              "0012-verl-feature-npugraph_ex_for_spec_decode",
     verified=Verified(
@@ -64,10 +65,10 @@ log = logging.getLogger("ascend_rl_plugins")
 
 def request():
     """What the flags ask for (ascend-rl side of the options)."""
-    from ..sam import ENABLE as SAM
     from .options import Request
+    sam = FEATURE.required("sam").flag   # ASCEND_RL_SAM
     return Request(npugraph_ex=bool(NPUGRAPH_EX.value), static_kernel=bool(STATIC_KERNEL.value),
-                   sam=bool(SAM.value))
+                   sam=bool(sam.value))
 
 
 def plan_for(rollout):

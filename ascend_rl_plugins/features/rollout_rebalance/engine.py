@@ -350,7 +350,7 @@ class VllmAdapter:
                 self._inject(iid, kv, meta["kv_blocks"])
                 # the planner made room for it: ASCEND_RL_KV_ADMISSION_RESERVE must not hold it
                 # back (its cached blocks would be evicted while it waits)
-                from ..kv_admission_reserve import admit_without_reserve
+                from ...request_marks import admit_without_reserve
                 admit_without_reserve(self.scheduler.requests[iid])
             if generator is not None:
                 import torch

@@ -22,7 +22,8 @@ def build_artifacts(workdir: str) -> dict:
     from safetensors.torch import save_file
 
     from ascend_rl_plugins.devtools import tiny_qwen3
-    from ascend_rl_plugins.features.flashrl import checkpoint, config, profile, quant
+    from ascend_rl_plugins.features.flashrl import checkpoint, config, profile
+    from ascend_rl_plugins.quant import quant
 
     a_dir = tiny_qwen3.cached()
     paths = {k: os.path.join(workdir, k) for k in ("bf16_b", "int8_a", "int8_b", "int8s_a", "int8s_b",

@@ -19,7 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ascend_rl_plugins.features.flashrl import block_fp8, checkpoint, int4, profile  # noqa: E402
+from ascend_rl_plugins.features.flashrl import checkpoint, profile  # noqa: E402
+from ascend_rl_plugins.quant import block_fp8, int4  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:"]
 MAX_TOKENS = 8
@@ -192,7 +193,7 @@ def _processed_against_checkpoint(model, model_dir: str) -> dict:
     its processed ``weight_packed`` must be the checkpoint's packed codes of its parts in the
     CPUWNA16 W4A16 layout (flashrl's ``wna16_blocked_cpu``, equal to vLLM's own post-processing:
     ``test_w4a16_reload.py``), its ``weight_scale`` the checkpoint's scales, transposed."""
-    from ascend_rl_plugins.features.flashrl._cpu_kernels import wna16_blocked_cpu
+    from ascend_rl_plugins.quant._cpu_kernels import wna16_blocked_cpu
     ckpt = profile.read_tensors(model_dir)
     fused = dict(getattr(model, "packed_modules_mapping", {}))
     checked, mismatch = 0, []

@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ascend_rl_plugins import selftest  # noqa: E402
-from ascend_rl_plugins.features.flashrl import device_checks, int4, quant  # noqa: E402
+from ascend_rl_plugins.features.flashrl import device_checks  # noqa: E402
+from ascend_rl_plugins.quant import int4, quant  # noqa: E402
 
 CPU = torch.device("cpu")
 SHAPE = (128, 256)     # whole 128-blocks, g32/g64/g128 groups; the edge-block row adds partial ones
@@ -97,7 +98,7 @@ def _another_int8(w):
 
 
 def test_a_case_comparing_a_function_with_itself_cannot_be_made():
-    from ascend_rl_plugins.features.flashrl import _cpu_kernels
+    from ascend_rl_plugins.quant import _cpu_kernels
     with pytest.raises(ValueError, match="ours and reference are the same function"):
         device_checks.IdentityCase("x", quant.quantize_int8_rows, quant.quantize_int8_rows_torch,
                                    quant.quantize_int8_rows)

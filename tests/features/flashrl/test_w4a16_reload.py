@@ -86,7 +86,7 @@ def test_blocked_layout_equals_vllms_cpuwna16_post_processing():
         pack_quantized_values_into_int32, unpack_quantized_values_into_int32)
     from vllm.scalar_type import scalar_types
 
-    from ascend_rl_plugins.features.flashrl._cpu_kernels import wna16_blocked_cpu
+    from ascend_rl_plugins.quant._cpu_kernels import wna16_blocked_cpu
     wt = scalar_types.uint4b8
     g = torch.Generator().manual_seed(0)
     for out, inp in ((32, 64), (96, 256), (512, 128)):

@@ -5,7 +5,7 @@ Real: Megatron-Core's GPTModel (bf16 parameters, the dtype the rollout receives)
 CPU harness, with TP2 dense linears (ColumnParallelLinear / RowParallelLinear), EP2
 ``SequentialMLP`` experts (MLPs of those linears) and EP2 ``GroupedMLP`` experts; the
 ascend-rl patches applied through ``ascend_rl_plugins.activate()``; the one INT4 quantizer
-(``flashrl.int4``).
+(``quant.int4``).
 
 For each layout the same canonical weights W go through:
   plain -- the model with W, patches off;
@@ -155,7 +155,7 @@ def layout(name: str, scope: str, group: int, preset: str = "ct") -> dict:
 
         # the rollout's view: quantize the exported (master) weights with the same quantizer;
         # dequantized, they are the trainer's forward weights bit for bit
-        from ascend_rl_plugins.features.flashrl import int4
+        from ascend_rl_plugins.quant import int4
         export_mismatch = []
         for n in out["quantized_names"]:
             codes, scale = int4.quantize(weights[n], qspec)

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ascend_rl_plugins import selftest  # noqa: E402
-from ascend_rl_plugins.features.flashrl import int4  # noqa: E402
+from ascend_rl_plugins.quant import int4  # noqa: E402
 from ascend_rl_plugins.features.int4_qat import device_check  # noqa: E402
 
 CPU_QUICK = selftest.SelftestContext(device=torch.device("cpu"), quick=True, reps=1)

@@ -58,7 +58,7 @@ def _unit_setup(flag_env, mode):
 
 def test_a_write_that_changes_the_weight_is_seen(flag_env):
     torch, cache = _unit_setup(flag_env, "step")
-    from ascend_rl_plugins.features.flashrl import int4
+    from ascend_rl_plugins.quant import int4
     from ascend_rl_plugins.features.int4_qat.fake_quant import straight_through
     spec = int4.Int4Spec(32, "ct")
     w = torch.nn.Parameter((torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16))
@@ -86,7 +86,7 @@ def test_a_write_that_changes_the_weight_is_seen(flag_env):
 
 def test_off_computes_every_time(flag_env):
     torch, cache = _unit_setup(flag_env, "off")
-    from ascend_rl_plugins.features.flashrl import int4
+    from ascend_rl_plugins.quant import int4
     from ascend_rl_plugins.features.int4_qat.fake_quant import straight_through
     spec = int4.Int4Spec(32, "ct")
     w = torch.nn.Parameter(torch.randn(4, 32).to(torch.bfloat16))

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ascend_rl_plugins import flags  # noqa: E402
-from ascend_rl_plugins.features.flashrl import fused, int4  # noqa: E402
-from ascend_rl_plugins.features.flashrl.device_math import NonFiniteWeightError  # noqa: E402
+from ascend_rl_plugins.quant import fused, int4  # noqa: E402
+from ascend_rl_plugins.quant.device_math import NonFiniteWeightError  # noqa: E402
 from ascend_rl_plugins.features.int4_qat import finite_checks  # noqa: E402
 from ascend_rl_plugins.features.int4_qat.fake_quant import linear_fake_quant  # noqa: E402
 

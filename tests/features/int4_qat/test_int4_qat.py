@@ -4,7 +4,7 @@ Real (scenario.py, 2 gloo processes, bf16 GPTModel from the CPU harness): TP2 de
 (ColumnParallelLinear / RowParallelLinear), EP2 SequentialMLP experts, EP2 GroupedMLP experts
 (scope all; GroupedMLP again with scope experts). With QAT the logits, loss and every gradient
 equal, bit for bit, those of the same model whose weights were replaced by
-``flashrl.int4.fake_quantize`` of them (so the forward uses the rollout's quantizer in the
+``quant.int4.fake_quantize`` of them (so the forward uses the rollout's quantizer in the
 rollout's [out, in] grouping, and the gradient reaches the master weight unchanged); exported
 weights quantize to codes/scales that dequantize to the trainer's forward weights bit for bit.
 """

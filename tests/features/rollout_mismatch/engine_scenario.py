@@ -16,7 +16,7 @@ checkpoint (the trainer's weights), and reloads the Megatron export (re-quantize
 
 ``rollout_bf16_and_trainer``: the BF16 tiny Qwen3 in a real vLLM engine (prompt log-probs on
 the same sequences), then the HF transformers model (the trainer) in bf16, once as is and
-once with every decoder linear replaced by ``flashrl.int4.fake_quantize`` (the INT4 QAT
+once with every decoder linear replaced by ``quant.int4.fake_quantize`` (the INT4 QAT
 forward weight), computing the log-probs of the same tokens; and the trainer's weights as
 ``int4.quantize`` sees them, to compare with what the engine loaded.
 """
@@ -146,7 +146,7 @@ def _codes_mismatch(engine_layers: dict, masters: dict, spec) -> list:
     """Engine layers whose loaded (packed, scale) are not ``int4.quantize`` of the trainer's
     master weights of their parts (``masters``: HF linear name -> weight)."""
     import torch
-    from ascend_rl_plugins.features.flashrl import int4
+    from ascend_rl_plugins.quant import int4
     wrong = []
     for name, rec in engine_layers.items():
         parts = fused_parts(name)
@@ -219,7 +219,7 @@ def rollout_w4a16(workdir: str, group: int, export_path: str | None = None, forw
         scheme_cls.process_weights_after_loading = original
     model = _model(llm)
     if not forward:
-        from ascend_rl_plugins.features.flashrl import int4
+        from ascend_rl_plugins.quant import int4
         from ascend_rl_plugins.features.flashrl.profile import read_tensors
         layers = _effective_weights(model, loaded, forward=False)
         masters = {n[: -len(".weight")]: t for n, t in read_tensors(tiny_qwen3.cached()).items()
@@ -271,7 +271,7 @@ def _hf_logprobs(model, sequences: list) -> list:
 
 def _fake_quantize_linears(model, spec) -> list:
     import torch
-    from ascend_rl_plugins.features.flashrl.int4 import fake_quantize
+    from ascend_rl_plugins.quant.int4 import fake_quantize
     done = []
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -289,7 +289,7 @@ def rollout_bf16_and_trainer(workdir: str, group: int) -> dict:
 
     import torch
     from ascend_rl_plugins.devtools import tiny_qwen3
-    from ascend_rl_plugins.features.flashrl import int4
+    from ascend_rl_plugins.quant import int4
 
     bf16 = tiny_qwen3.cached()
     llm = _llm(bf16)

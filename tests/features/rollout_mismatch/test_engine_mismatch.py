@@ -4,7 +4,7 @@ Tiny Qwen3 (random weights), W4A16 by this project's converter (group 128, scope
 ct). The rollout engine (vLLM, W4A16) samples 16 sequences of 48 response tokens; on the same
 tokens we compare
   (a) the BF16 trainer (HF transformers, bf16)          vs the W4A16 rollout,
-  (b) the fake-quant trainer (HF, every decoder linear = flashrl.int4.fake_quantize)
+  (b) the fake-quant trainer (HF, every decoder linear = quant.int4.fake_quantize)
                                                         vs the W4A16 rollout,
   (c) the BF16 trainer                                  vs a BF16 rollout engine (the floor:
       kernel numerics only).
@@ -112,7 +112,7 @@ def test_after_a_reload_the_engine_holds_the_megatron_qat_trainers_weights_bit_f
     (codes, scales) are int4.quantize of the exported weights, and the weights its kernel
     multiplies by are the ones the Megatron linears multiplied by in their QAT forward."""
     import torch
-    from ascend_rl_plugins.features.flashrl import int4
+    from ascend_rl_plugins.quant import int4
     m = runs["megatron"]
     assert set(m["patch_states"].values()) == {"applied"}, m
     assert m["output_layer_plain"] and m["n_hf"] == 3 + 2 * 11, m

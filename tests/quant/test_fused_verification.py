@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ascend_rl_plugins.features.flashrl import block_fp8, fused, int4, quant  # noqa: E402
-from ascend_rl_plugins.features.flashrl.device_math import NonFiniteWeightError  # noqa: E402
-from tests.features.flashrl.compiled_kernel_double import EagerCompiler  # noqa: E402
+from ascend_rl_plugins.quant import block_fp8, fused, int4, quant  # noqa: E402
+from ascend_rl_plugins.quant.device_math import NonFiniteWeightError  # noqa: E402
+from tests.quant.compiled_kernel_double import EagerCompiler  # noqa: E402
 
 ROWS_KINDS = ("int8_rows", "fp8_rows")
 

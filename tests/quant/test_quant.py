@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.flashrl import quant as Q  # noqa: E402
+from ascend_rl_plugins.quant import quant as Q  # noqa: E402
 
 
 def _weight(seed, n, k, dtype, zero_rows=0, scale=1.0):

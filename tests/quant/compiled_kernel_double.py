@@ -1,4 +1,4 @@
-"""A double of :func:`ascend_rl_plugins.features.flashrl.fused.compiled` (the accelerator's
+"""A double of :func:`ascend_rl_plugins.quant.fused.compiled` (the accelerator's
 compiler), for CPU tests of the first-use verification.
 
 Each "compiled" kernel is its formula run eagerly -- the same math, no compiler -- except where
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ascend_rl_plugins.features.flashrl import fused
+from ascend_rl_plugins.quant import fused
 
 
 @dataclass

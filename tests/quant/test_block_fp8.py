@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.flashrl import block_fp8 as B  # noqa: E402
+from ascend_rl_plugins.quant import block_fp8 as B  # noqa: E402
 
 F32_EPS = 2.0 ** -23
 

@@ -53,79 +53,13 @@ cheap.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 from . import device_math
+# the INT4 format's names (defined in .formats, which the CPU kernels import too), here where
+# this module's users look for them
+from .formats import GROUP_SIZES, NUM_BITS, PACK_FACTOR, PRESETS, Int4Spec, _check, _prepare_out, _Shape  # noqa: F401
 
-PRESETS = ("ct", "slime")
-GROUP_SIZES = (32, 64, 128)
-PACK_FACTOR = 8  # int4 codes per int32
-NUM_BITS = 4
 DEFAULT_BLOCK_BYTES = device_math.CPU_BLOCK_BYTES  # torch path on CPU; accelerators: block_bytes_for
-
-
-@dataclass(frozen=True)
-class Int4Spec:
-    """How to quantize: ``group_size`` input columns share one scale; ``preset`` picks the
-    formula (see the module docstring)."""
-
-    group_size: int = 128
-    preset: str = "ct"
-
-    def __post_init__(self):
-        if self.preset not in PRESETS:
-            raise ValueError(f"Int4Spec.preset must be one of {PRESETS}, got {self.preset!r}")
-        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
-            raise ValueError(f"Int4Spec.group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
-
-    @property
-    def qmin(self) -> int:
-        return -8 if self.preset == "ct" else -7
-
-    @property
-    def qmax(self) -> int:
-        return 7
-
-    @property
-    def divisor(self) -> float:
-        """amax / divisor = scale: compressed-tensors uses half the int4 range (7.5), slime 7."""
-        return 7.5 if self.preset == "ct" else 7.0
-
-    def scale_dtype(self, weight_dtype):
-        """dtype of the stored scale: the model dtype for ``ct`` (compressed-tensors keeps the
-        scale in the weight's dtype), bf16 for ``slime`` (what slime's rollout stores)."""
-        import torch
-        return weight_dtype if self.preset == "ct" else torch.bfloat16
-
-
-@dataclass(frozen=True)
-class _Shape:
-    lead: tuple
-    rows: int
-    cols: int
-    groups: int
-
-
-def _check(weight, spec: Int4Spec) -> _Shape:
-    if not isinstance(spec, Int4Spec):
-        raise TypeError(f"spec must be an Int4Spec, got {type(spec).__name__}")
-    if weight.dim() < 2:
-        raise ValueError(f"INT4 quantization expects a [..., out, in] weight, got shape {tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise ValueError(f"INT4 quantization expects a floating-point weight, got {weight.dtype}")
-    cols = weight.shape[-1]
-    if cols % spec.group_size:
-        raise ValueError(f"the input dimension ({cols}) must be a multiple of group_size={spec.group_size}")
-    rows = weight.numel() // cols if cols else 0
-    return _Shape(tuple(weight.shape[:-1]), rows, cols, cols // spec.group_size)
-
-
-def _prepare_out(out, shape, dtype, name):
-    if out is None:
-        return None
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} {tuple(shape)}, got {out.dtype} {tuple(out.shape)}")
-    return out
 
 
 def _use_kernel(weight, *outs) -> bool:

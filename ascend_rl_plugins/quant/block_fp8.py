@@ -89,7 +89,7 @@ def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None, name: 
 
 # The compiled block-FP8 forms, all the same math (bit-identical, each checked at first use):
 # which one an accelerator's compiler schedules best is measured there, not assumed -- on an
-# H200 the one-graph form ran at 14x the DeepGEMM formula compiled (flashrl/README.md).
+# H200 the one-graph form ran at 14x the DeepGEMM formula compiled (features/flashrl/README.md).
 VARIANTS = ("one_graph", "direct", "split", "three_pass")
 TUNE_BYTES = 256 << 20     # the synthetic weight the variants are timed on at first use
 

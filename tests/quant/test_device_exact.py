@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.flashrl import block_fp8, fused, int4, quant  # noqa: E402
-from ascend_rl_plugins.features.flashrl.device_math import NonFiniteWeightError, constant  # noqa: E402
-from tests.features.flashrl.cuda_division_double import HostScalarReciprocalDivision  # noqa: E402
-from tests.features.flashrl.test_int4 import weights  # noqa: E402
+from ascend_rl_plugins.quant import block_fp8, fused, int4, quant  # noqa: E402
+from ascend_rl_plugins.quant.device_math import NonFiniteWeightError, constant  # noqa: E402
+from tests.quant.cuda_division_double import HostScalarReciprocalDivision  # noqa: E402
+from tests.quant.test_int4 import weights  # noqa: E402
 
 same = fused.same_bits
 
@@ -294,7 +294,7 @@ def test_the_compiled_form_is_wanted_only_on_accelerators(fused_flag):
 
 
 def test_device_block_size_follows_free_memory(monkeypatch):
-    from ascend_rl_plugins.features.flashrl import device_math
+    from ascend_rl_plugins.quant import device_math
     assert device_math.block_bytes_for(torch.device("cpu")) == 16 << 20
     assert device_math.block_bytes_for(torch.device("cpu"), 1 << 10) == 1 << 10
     monkeypatch.setattr(device_math, "free_device_bytes", lambda device: 80 << 30)

@@ -200,7 +200,7 @@ def _scale_array(scale, rows, groups):
 
 
 def quantize_cpu(weight, spec, *, out_codes=None, out_scale=None):
-    from .int4 import _check, _prepare_out
+    from .formats import _check, _prepare_out
     sh = _check(weight, spec)
     sdt = spec.scale_dtype(weight.dtype)
     codes = out_codes if out_codes is not None else torch.empty(weight.shape, dtype=torch.int8)
@@ -214,7 +214,7 @@ def quantize_cpu(weight, spec, *, out_codes=None, out_scale=None):
 
 
 def quantize_pack_cpu(weight, spec, *, out_packed=None, out_scale=None):
-    from .int4 import PACK_FACTOR, _check, _prepare_out
+    from .formats import PACK_FACTOR, _check, _prepare_out
     sh = _check(weight, spec)
     sdt = spec.scale_dtype(weight.dtype)
     words = sh.cols // PACK_FACTOR
@@ -285,7 +285,7 @@ def fake_quantize_cpu(weight, spec, *, name=None):
     """``dequantize(*quantize(weight))`` in ``weight.dtype`` for CPU bf16/float32 weights, fused.
     A NaN/inf weight raises :class:`~.device_math.NonFiniteWeightError` naming ``name``."""
     from .device_math import refuse_nonfinite
-    from .int4 import _check
+    from .formats import _check
     sh = _check(weight, spec)
     out = torch.empty(weight.shape, dtype=weight.dtype)
     if sh.rows and sh.cols:

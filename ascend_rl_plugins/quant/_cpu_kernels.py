@@ -1,4 +1,4 @@
-"""numba kernels for the CPU fast path of :mod:`.quant` and :mod:`.reload` (same arithmetic, fused).
+"""numba kernels for the CPU fast path of :mod:`.quant` and flashrl's reload (same arithmetic, fused).
 
 Quantization: each output row is read once (bf16 bits widened to float32 by a shift),
 scaled and reduced to its absolute maximum in the same loop, then rounded while it is
@@ -24,7 +24,7 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from .quant import MIN_SCALE, QMAX
+from .formats import MIN_SCALE, QMAX
 
 
 @nb.njit(inline="always")

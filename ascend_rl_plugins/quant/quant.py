@@ -38,10 +38,9 @@ import torch
 
 from . import device_math
 
-QMAX = 127.0
-# Scales below this are clamped (an all-zero row would otherwise divide by zero); the
-# value is irrelevant for such a row (its int8 weights are 0 either way).
-MIN_SCALE = 1e-10
+# the INT8 format's constants (defined in .formats, which the CPU kernel imports too)
+from .formats import MIN_SCALE, QMAX  # noqa: F401
+
 DEFAULT_BLOCK_BYTES = device_math.CPU_BLOCK_BYTES  # CPU; accelerators: device_math.block_bytes_for
 
 

@@ -3,7 +3,7 @@ multiply by the float32 reciprocal of the number, as CUDA's true-division kernel
 when the divisor is a host scalar (the computation in the input's "opmath" type: float32
 for bf16/fp16/float32, then rounded to the tensor's dtype). Divisions by a tensor are left
 alone: on CUDA a divisor tensor on the device is divided exactly, and the quantizers put
-their divisor tensors on the weight's device (``flashrl.device_math.constant``).
+their divisor tensors on the weight's device (``quant.device_math.constant``).
 
 Why: a quantizer whose bits depend on how a device divides by a constant gives different
 INT8/FP8/INT4 codes on an accelerator than the CPU kernels (issue 31 measured 1,910 INT8

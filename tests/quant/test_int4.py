@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from hypothesis import assume, given, settings, strategies as st  # noqa: E402
 
-from ascend_rl_plugins.features.flashrl import int4 as I  # noqa: E402
+from ascend_rl_plugins.quant import int4 as I  # noqa: E402
 
 F32_EPS = 2.0 ** -23
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

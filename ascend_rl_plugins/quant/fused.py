@@ -47,7 +47,23 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from .. import flags
+
+# the logger (and so ASCEND_RL_FLASHRL_LOGGING_LEVEL) of the rollout reload, the first user of
+# these quantizers: their warnings read as they did before the quantizers had a package
 log = logging.getLogger("ascend_rl_plugins.flashrl")
+
+# The switch of the compiled forms. Declared here, below the features, because both features that
+# quantize on an accelerator (flashrl's reload, int4_qat's fake quantization) go through this
+# module; its name and its place in the documentation (feature "flashrl") are what they were.
+DEVICE_FUSED = flags.define(
+    "ASCEND_RL_FLASHRL_DEVICE_FUSED", "enum", "auto",
+    "Quantizers on an accelerator (FlashRL reload, INT4 QAT fake quantization): 'auto' runs the torch.compile'd "
+    "one-kernel form where inductor generates code for the device (cuda, xpu), after checking it once per process "
+    "bit for bit against the eager torch path (a mismatch warns and falls back); 'on' requires it (a failure "
+    "raises); 'off' always takes the eager torch path. Same bits in every case; NPUs take the eager path under "
+    "'auto'. CPUs always use the numba kernels.",
+    choices=("auto", "on", "off"), feature="flashrl")
 
 FUSED_DEVICE_TYPES = ("cuda", "xpu")   # where inductor's Triton backend compiles under ``auto``
 _LOCK = threading.Lock()
@@ -78,7 +94,6 @@ class FusedUnavailable(RuntimeError):
 
 
 def mode() -> str:
-    from . import DEVICE_FUSED
     return DEVICE_FUSED.value
 
 
@@ -125,7 +140,7 @@ def _times_reciprocal(x, r):
     ``x / b == M * 2**k`` would need the 24-bit significand of ``x`` to hold the odd factor
     ``M * (odd part of b)`` of at least 25 bits; otherwise their difference is a nonzero
     multiple of the smaller of the two exponent units, which bounds it below. So the product
-    and the exact quotient round to the same float32 (``tests/features/flashrl/
+    and the exact quotient round to the same float32 (``tests/quant/
     test_device_exact.py`` checks it against float64 division on adversarial pairs). The one
     exception is a quotient below the float32 normal range (|x / b| < 2**-126), where midpoints
     are absolute: it can round 1 ulp apart, and every code it feeds (INT8, INT4, FP8 E4M3)
@@ -256,7 +271,7 @@ def block_fp8_formula(w, fp8_max, eps, bn: int, bk: int):
 def block_fp8_direct_formula(w, fp8_max, eps, bn: int, bk: int):
     """The same, with the block amax as one reduction over both block dimensions of the 4-D view
     (variant ``direct``: the form of the DeepGEMM / slime formula, which inductor fused well on
-    an H200 -- see ``flashrl/README.md``)."""
+    an H200 -- see ``features/flashrl/README.md``)."""
     import torch
     n, k = w.shape
     amax = w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3)).to(torch.float32)
