@@ -758,7 +758,7 @@ def simulate(w: Workload, make_policy, pooled: bool = False) -> SimulatedRun:
 # (1.5: 184, +6.4 %) starts unrecognised long requests late; 2.5 (about 510, +10.3 % at the
 # planner's former survival 1, +11.1 % at 2) is the
 # best of 1.5, 2.0, 2.5, 3.0, 16 on 235B (3 seeds each, separate runs of this simulator; the
-# feature README lists them) and equals 16 on DAPO and 8K math, where nothing is preempted.
+# feature's DESIGN.md lists them) and equals 16 on DAPO and 8K math, where nothing is preempted.
 WITH_MIGRATION = {"kv_budget": 2.5}
 
 
@@ -772,7 +772,7 @@ MIGRATE_EVERY = rr.MIGRATION_INTERVAL.default
 # back, since a request a replica preempts comes back to the shared queue: the best of
 # kv_reserve 256 / 512 / 768 / 1024 / 2048 with kv_budget 16, and of kv_budget 2.5 / 16 at
 # kv_reserve 512, on the 235B workload (3 seeds, separate runs of these functions during the
-# fifth pass; the feature README lists them). Checked again with the seventh pass's queue order
+# feature's DESIGN.md lists them). Checked again with the hand-back's current queue order
 # (fewest generated first): kv_reserve 256 equal within 0.1 point, 1024 and kv_budget 2.5 lower.
 REQUEUE_SETTINGS = {"kv_budget": 16.0, "kv_reserve": 512}
 

@@ -50,7 +50,7 @@ SCOPE = flags.define(
     choices=("experts", "all"), feature="int4_qat")
 PRESET = flags.define(
     "ASCEND_RL_INT4_QAT_PRESET", "enum", "ct",
-    "INT4 formula (flashrl.int4 presets): 'ct' (compressed-tensors W4A16, what vLLM loads) or "
+    "INT4 formula (ascend_rl_plugins.quant.int4 presets): 'ct' (compressed-tensors W4A16, what vLLM loads) or "
     "'slime' (slime's scale amax/7 in bf16, codes -7..7). Unset: 'slime' when QAT was switched on "
     "with OPEN_TRAINING_INT4_FAKE_QAT_FLAG, else 'ct'. Must equal the rollout's preset.",
     choices=("ct", "slime"), feature="int4_qat")

@@ -16,7 +16,7 @@ Where it applies: vLLM's in-process ``LLM`` with one engine per DP rank and a
 ``torch.distributed`` world (verl 0.6.x spmd rollout, external launcher). verl 0.9.x runs
 rollouts through an async server (``AsyncLLM``, engine cores in subprocesses, DP through
 vLLM's coordinator): ``LLM._run_engine`` and ``LLMEngine.step`` never run there, and the
-design note in this feature's README says where rebalancing belongs for it.
+design note in this feature's DESIGN.md says where rebalancing belongs for it.
 
 Remove when: vLLM (or vLLM-Ascend) can migrate running requests between DP engines itself
 (its DP coordinator balances only new requests today).
@@ -255,7 +255,7 @@ FEATURE.applies_through(
     dist="verl", versions=">=0.9,<0.10", point="verl's router plug-in (rollout.router_config_path)",
     how=lambda: (f"add `{router_config_line()}` (or print it: `ascend-rl router`); the router "
                  f"routes by expected work and KV room with a shared longest-first queue "
-                 f"(README, section verl 0.9). Tail migration with KV (off by default): export "
+                 f"(DESIGN.md, 'verl 0.9: the router'). Tail migration with KV (off by default): export "
                  f"ASCEND_RL_ROLLOUT_MIGRATION=planned and add the lines `ascend-rl router "
                  f"--migration` prints: " + " ".join(migration_config_lines()[1:]) + ". With it, "
                  f"the preemption hand-back (off by default): ASCEND_RL_ROLLOUT_REQUEUE_PREEMPTED=1. "
@@ -308,7 +308,7 @@ def _rebalance_requested() -> bool:
                        "hooks never run: with rebalancing requested, each server says so in "
                        "its log (once) instead of doing nothing silently",
                 remove_when="rebalancing moves into vLLM's engine-core busy loop / DP "
-                            "coordinator (design in the README)")
+                            "coordinator (design in DESIGN.md)")
 def _async_server_notice(instance, args, kwargs):
     if not _NOTICE_GIVEN:
         _NOTICE_GIVEN.append(True)

@@ -337,7 +337,7 @@ class RoutingPolicy:
         (close to vLLM's own order: a preempted request goes to the head of its replica's queue,
         the latest victim first) starves the early victims behind every later one: in the
         long-tail simulator a request preempted at 508 s waited until 3096 s and finished last
-        (235B workload, seed 0; the feature README's seventh pass). False (nothing changed)
+        (235B workload, seed 0; DESIGN.md, 'Preemption hand-back'). False (nothing changed)
         where ``server_id`` does not hold it."""
         replica = self.replicas.get(server_id)
         if replica is None or request_id not in replica.inflight:

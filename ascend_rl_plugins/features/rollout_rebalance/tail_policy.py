@@ -142,7 +142,7 @@ class TailSettings:
     # True: a destination must also hold every request's expected growth (``expected_remaining``
     # summed over what it runs, the moved request included), not only the reserve above: a
     # moved request starts there as the newest, vLLM's first preemption victim once its KV runs
-    # out (see the feature README's fifth pass for when it matters)
+    # out (DESIGN.md, 'The live trigger and the planner', says when it matters)
     reserve_expected_growth: bool = False
     moves_per_replica: int = 2  # moves a replica sends or receives per round
     max_moves: int = 64  # moves per round, all replicas
