@@ -76,7 +76,7 @@ def probe_vllm_cpu_ops(ops: list) -> dict:
     from vllm.platforms import current_platform
     current_platform.import_kernels()
     found = {op: hasattr(torch.ops._C, op) for op in ops}
-    return {"ops": found, "amx": bool(torch.cpu._is_amx_tile_supported())}
+    return {"ops": found, "amx": bool(torch.cpu._is_amx_tile_supported()), "library": loaded_vllm_cpu_library()}
 
 
 # vLLM's x86 CPU kernel libraries, and how each converts fp32 results to bf16: ``_C`` with the
@@ -104,12 +104,45 @@ PROBED_OPS = ("cpu_gemm_wna16", "prepack_moe_weight")
 
 
 @functools.lru_cache(maxsize=1)
+def _vllm_cpu_probe() -> dict:
+    from tests.support.child import run_scenario
+    return run_scenario("tests.support.cpu_isa", "probe_vllm_cpu_ops", list(PROBED_OPS), timeout=300)
+
+
 def vllm_cpu_ops() -> dict:
     """``{op: present}`` for ``torch.ops._C.<op>`` of every op in :data:`PROBED_OPS`, after vLLM
     loads its CPU kernels in a fresh interpreter of this stack (with this process's
     ``ARP_TEST_CPU_ISA``); asked once per test session."""
-    from tests.support.child import run_scenario
-    return run_scenario("tests.support.cpu_isa", "probe_vllm_cpu_ops", list(PROBED_OPS), timeout=300)["ops"]
+    return _vllm_cpu_probe()["ops"]
+
+
+def vllm_cpu_library() -> str | None:
+    """The kernel library vLLM's engines of this stack load on this CPU (a key of
+    :data:`VLLM_CPU_LIBRARIES`; None on a vLLM build with one library), from the same probe."""
+    return _vllm_cpu_probe()["library"]
+
+
+# How far a request's log-probs may move when it decodes in another batch (a migrated or resumed
+# request joins other batches than it would have unmoved), by kernel library: bit for bit where the
+# library's kernels give a row the same numbers whatever the batch (seen on _C and _C_AVX512: the
+# verl migration tests compared equal); on _C_AVX2 they do not, and a moved request's log-probs
+# differed in the last bits (4.8e-7 on a 2-core AMD EPYC, AVX2 only, with identical tokens).
+BATCH_VARIANCE_TOLERANCE = {"_C": 0.0, "_C_AVX512": 0.0, "_C_AVX2": 1e-5}
+
+
+def log_prob_tolerance() -> float:
+    """The largest log-prob difference a request decoded in another batch may show here (0.0:
+    bit-identical); tokens must be identical whatever this says."""
+    return BATCH_VARIANCE_TOLERANCE.get(vllm_cpu_library(), 0.0)
+
+
+def log_probs_match(got: list, want: list) -> tuple[bool, list]:
+    """Whether rows of log-probs match under :func:`log_prob_tolerance`, and the largest absolute
+    difference per row (for the failure message)."""
+    diffs = [max((abs(a - b) for a, b in zip(x, y)), default=0.0) for x, y in zip(got, want)]
+    tol = log_prob_tolerance()
+    same_shape = len(got) == len(want) and all(len(x) == len(y) for x, y in zip(got, want))
+    return same_shape and (got == want if tol == 0.0 else all(d <= tol for d in diffs)), diffs
 
 
 def missing_vllm_cpu_op(op: str, used_by: str) -> str | None:
