@@ -88,8 +88,8 @@ def quantize(weight, block=BLOCK, *, out_weight=None, out_scale_inv=None, name: 
 
 
 # The compiled block-FP8 forms, all the same math (bit-identical, each checked at first use):
-# which one an accelerator's compiler schedules best is measured there, not assumed -- on an
-# H200 the one-graph form ran at 14x the DeepGEMM formula compiled (features/flashrl/README.md).
+# which one an accelerator's compiler schedules best is measured there, not assumed (the four
+# forms' times on an H200: features/flashrl/DESIGN.md, the device A/B table).
 VARIANTS = ("one_graph", "direct", "split", "three_pass")
 TUNE_BYTES = 256 << 20     # the synthetic weight the variants are timed on at first use
 
