@@ -50,7 +50,9 @@ def status_table(link_prefix: str = "ascend_rl_plugins/features/") -> str:
              "| ran on an NPU |", "|---|---|---|---|---|---|"]
     for name in sorted(REGISTRY.features):
         f = REGISTRY.features[name]
-        if f.flag is not None:
+        if f.switched_on_by:
+            flag = _cell(f.switched_on_by)
+        elif f.flag is not None:
             flag = f"`{f.flag.name}`"
         else:  # no switch: its patches are on by default, or it has none (a library / command)
             flag = "always on" if f.patches else "nothing to switch (no patches)"

@@ -218,7 +218,8 @@ class Feature:
     """A named group of patches and flags; a feature module builds one at import."""
 
     def __init__(self, name: str, summary: str, flag: "_flags.Flag | None" = None, *,
-                 verified: Verified, replaces: str = "", stacks: str = "", requires: Iterable[str] = ()):
+                 verified: Verified, replaces: str = "", stacks: str = "", requires: Iterable[str] = (),
+                 switched_on_by: str = ""):
         if not _NAME_PART.match(name):
             raise PatchError(f"feature name {name!r} must be lower_snake_case")
         if not isinstance(verified, Verified):
@@ -237,6 +238,9 @@ class Feature:
         self.replaces = replaces
         self.verified = verified
         self.stacks = stacks
+        # how a user switches it on, where that is more than its flag (the front page's column);
+        # empty: the flag's name says it
+        self.switched_on_by = switched_on_by
         self.patches: list[Patch] = []
         self.not_applicable: list[NotApplicable] = []
         self.extension_points: list[ExtensionPoint] = []

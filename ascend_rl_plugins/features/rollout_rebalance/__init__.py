@@ -58,6 +58,8 @@ FEATURE = Feature("rollout_rebalance",
                   "replicas through a vLLM KV connector (off by default; main_ppo via "
                   "agent_loop_manager_class); KV migration between DP ranks (verl 0.6)",
                   flag=ENABLE, replaces="Qwen3 RL recipe verl patch 0011-verl-feature-enable_rollout_rebalance",
+                  switched_on_by="verl 0.9: the lines `ascend-rl router` prints (rollout.router_config_path; "
+                                 "migration: `ascend-rl router --migration`); verl 0.6: `ASCEND_RL_ROLLOUT_REBALANCE`",
                   verified=Verified(
                       cpu_runtime="2 and 4 real vLLM engines + gloo (vLLM 0.13, 0.23), with "
                                   "injected protocol faults; planner property tests; protocol "
