@@ -282,20 +282,22 @@ def test_doctor_refuses_a_disable_item_that_names_nothing():
     assert "ASCEND_RL_DISABLE='gc-off'" in proc.stderr and "did you mean 'gc_off'?" in proc.stderr, proc.stderr
 
 
-def test_doctor_with_a_stack_that_is_not_there_is_a_usage_error():
-    proc = _cli("doctor", "--stack", "/nonexistent")
+def test_doctor_with_a_stack_that_is_not_there_is_a_usage_error(tmp_path):
+    missing = str(tmp_path / "no-such-stack")
+    proc = _cli("doctor", "--stack", missing)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = proc.stderr.strip()
-    assert line.startswith("ascend-rl doctor: error: --stack '/nonexistent' is neither a directory"), line
+    assert line.startswith(f"ascend-rl doctor: error: --stack '{missing}' is neither a directory"), line
     assert "accepted: a stack directory" in line, line
 
 
-def test_conformance_names_itself_and_its_own_argument_for_a_missing_stack():
+def test_conformance_names_itself_and_its_own_argument_for_a_missing_stack(tmp_path):
     """It said 'ascend-rl doctor: --stack ...': a command and an option the user did not type."""
-    proc = _cli("conformance", "/nonexistent")
+    missing = str(tmp_path / "no-such-stack")
+    proc = _cli("conformance", missing)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = proc.stderr.strip()
-    assert line.startswith("ascend-rl conformance: error: stack '/nonexistent'"), line
+    assert line.startswith(f"ascend-rl conformance: error: stack '{missing}'"), line
     assert "doctor" not in line and "--stack" not in line, line
 
 

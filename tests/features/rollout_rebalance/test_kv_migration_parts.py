@@ -3,6 +3,8 @@ policy and the refusals (the engines run in ``test_kv_migration_e2e.py``)."""
 
 from __future__ import annotations
 
+import tempfile
+
 import types
 
 import pytest
@@ -117,8 +119,10 @@ def _planned_client(**policy_args):
         step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
         settings=tail_policy.TailSettings(margin_s=0.0, growth_reserve_tokens=16),
         capacities={"A": ReplicaCapacity(8, 4096), "B": ReplicaCapacity(8, 4096)}, **policy_args)
-    client = MigratingClient({"A": object(), "B": object()}, kv_migration.KVExportStore("/nonexistent"),
-                             policy=policy)
+    # the store makes its directory: a private temporary one (never '/nonexistent', which other
+    # tests rely on not existing)
+    store = kv_migration.KVExportStore(tempfile.mkdtemp(prefix="arp-unused-kv-store-"))
+    client = MigratingClient({"A": object(), "B": object()}, store, policy=policy)
     for i in range(6):
         client.in_flight[f"r{i}"] = InFlight(f"r{i}", "A", 20, 4 + i, 64, movable=i != 5)
     return client, policy, clock
