@@ -179,6 +179,14 @@ def run_group(module: str, function: str, world: int, *args: Any, env: dict | No
     return [rebuild(returns, r) for r in results] if returns is not None else results
 
 
+def _sequence_as_list(value: Any) -> list:
+    """JSON for the bounded sequences a record may hold (a ``deque(maxlen=...)`` history): a list."""
+    from collections import deque
+    if isinstance(value, deque):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _main(payload: str) -> None:
     from tests.support import cpu_isa
     cpu_isa.apply_from_env()  # ARP_TEST_CPU_ISA: vLLM loads the kernels of the simulated CPU
@@ -193,7 +201,7 @@ def _main(payload: str) -> None:
         dist.destroy_process_group()
     if dataclasses.is_dataclass(result):
         result = dataclasses.asdict(result)
-    print(MARK + json.dumps(result), flush=True)
+    print(MARK + json.dumps(result, default=_sequence_as_list), flush=True)
 
 
 if __name__ == "__main__":
