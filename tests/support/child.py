@@ -179,11 +179,14 @@ def run_group(module: str, function: str, world: int, *args: Any, env: dict | No
     return [rebuild(returns, r) for r in results] if returns is not None else results
 
 
-def _sequence_as_list(value: Any) -> list:
-    """JSON for the bounded sequences a record may hold (a ``deque(maxlen=...)`` history): a list."""
+def _sequence_as_list(value: Any) -> Any:
+    """JSON for what ``dataclasses.asdict`` leaves inside a record: a bounded ``deque`` (the verl
+    client's move history) becomes a list, the dataclasses in it dicts."""
     from collections import deque
     if isinstance(value, deque):
         return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
