@@ -20,6 +20,7 @@ test reads fields, not keys, and a failing assertion still prints every number.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 import json
@@ -95,7 +96,7 @@ def rebuild(kind: Any, data: Any) -> Any:
         return kind(**{f.name: rebuild(hints[f.name], data[f.name])
                        for f in dataclasses.fields(kind) if f.name in data})
     origin, parts = typing.get_origin(kind), typing.get_args(kind)
-    if origin is list:
+    if origin is list or origin is collections.deque:   # a deque crosses as a list (_sequence_as_list)
         return [rebuild(parts[0], item) for item in data]
     if origin is dict:
         return {key: rebuild(parts[1], value) for key, value in data.items()}

@@ -170,7 +170,7 @@ class MigrationStats:
     router_told: int = 0          # moves the router accepted (move_request returned True)
     requeued: int = 0             # hops preempted by their engine and handed back to the router
     # the latest MOVES_KEPT planned moves carried out (the counters above cover the whole run)
-    moves: deque = field(default_factory=lambda: deque(maxlen=MOVES_KEPT))
+    moves: deque[MoveRecord] = field(default_factory=lambda: deque(maxlen=MOVES_KEPT))
 
 
 class MigratingLLMServerClient(LLMServerClient):
