@@ -37,6 +37,7 @@ import hashlib
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,14 @@ SETTING_FLAGS = {
     "metrics_interval_s": "ASCEND_RL_ROUTER_METRICS_INTERVAL",
 }
 MAX_CONCURRENCY = 1_000_000  # waiting acquires + releases + status calls the actor runs at once
+# a cancel that found nothing of its request is kept this long, and at most this many such
+EARLY_CANCEL_KEEP_S = 600.0
+EARLY_CANCEL_KEPT = 65536
+
+
+class AcquireCancelled(RuntimeError):
+    """The acquire's request was cancelled by its client before the acquire reached the router
+    (its caller is gone: nobody reads this but Ray's log)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,10 @@ class ExpectedWorkRouter:
         # requests a replica's death put back in the queue, whose callers have not asked again
         # yet: request id -> the replica they were bound to since (None: still queued)
         self._displaced: dict[str, str | None] = {}
+        # cancels that found nothing of their request (its acquire had not reached the router:
+        # Ray does not order an async actor's calls, and the first acquire waits on
+        # ``_configure``): request id -> when; the acquire that arrives later ends at once
+        self._cancelled_early: OrderedDict[str, float] = OrderedDict()
         self._configured = False
         self._configuring: asyncio.Lock | None = None
         self._poller: asyncio.Task | None = None
@@ -182,6 +195,9 @@ class ExpectedWorkRouter:
 
     async def acquire_server(self, request_id: str, prompt_ids=None, **extra) -> tuple[str, Any]:
         await self._configure()
+        if self._cancelled_early.pop(request_id, None) is not None:
+            raise AcquireCancelled(f"request {request_id!r} was cancelled by its client before its "
+                                   "acquire reached the router; it takes no slot")
         rebound = self._displaced.pop(request_id, None)
         if rebound is not None:  # its replica died; the router re-bound it before it asked again
             return rebound, self._handles[rebound]
@@ -216,11 +232,13 @@ class ExpectedWorkRouter:
         """Not verl's protocol (``MigratingLLMServerClient`` calls it): the caller's
         ``generate`` was cancelled before it held a replica. Cancelling the caller's Ray call
         does not cancel the acquire waiting here, so the client says so: the acquire ends and
-        the request leaves the queue, or, bound already, its slot."""
+        the request leaves the queue, or, bound already, its slot; a cancel that comes before
+        its acquire is kept, and that acquire ends at once (:class:`AcquireCancelled`)."""
         future = self._waiting.pop(request_id, None)
         if future is not None and not future.done():
             future.cancel()
-        self._drop_request(request_id)
+        if not self._drop_request(request_id) and future is None:
+            self._remember_early_cancel(request_id)   # its acquire has not come yet
 
     def add_servers(self, servers: dict[str, Any]) -> None:
         for server_id, handle in servers.items():
@@ -324,11 +342,27 @@ class ExpectedWorkRouter:
                 self._policy.release(d.server_id, d.request_id, time.monotonic())
         return mine
 
-    def _drop_request(self, request_id: str) -> None:
-        """Nothing of a request whose caller gave up stays; a slot it held goes to the queue."""
+    def _drop_request(self, request_id: str) -> bool:
+        """Nothing of a request whose caller gave up stays; a slot it held goes to the queue.
+        True where the router held anything of it."""
+        displaced = request_id in self._displaced
         self._displaced.pop(request_id, None)
-        if self._policy.cancel(request_id) and self._policy.replicas:
+        dropped = self._policy.cancel(request_id)
+        if dropped and self._policy.replicas:
             self._hand_out(self._policy.dispatch(time.monotonic()))
+        return dropped or displaced
+
+    def _remember_early_cancel(self, request_id: str) -> None:
+        """Keep a cancel that came before its acquire, for :data:`EARLY_CANCEL_KEEP_S` and at
+        most :data:`EARLY_CANCEL_KEPT` of them (an acquire that Ray dropped with its cancelled
+        call never comes): the router lives across steps, so this stays bounded."""
+        now = time.monotonic()
+        self._cancelled_early[request_id] = now
+        self._cancelled_early.move_to_end(request_id)
+        while self._cancelled_early and (
+                len(self._cancelled_early) > EARLY_CANCEL_KEPT
+                or now - next(iter(self._cancelled_early.values())) > EARLY_CANCEL_KEEP_S):
+            self._cancelled_early.popitem(last=False)
 
     async def _configure(self) -> None:
         """Once, before the first request: read the servers' rollout config (an RPC, so not

@@ -181,3 +181,71 @@ def test_a_request_its_client_moved_off_a_dead_replica_is_counted_where_it_runs(
     shell.release_server(on, "m")
     shell.release_server(other, "busy")
     assert shell.get_total_inflight() == 0 and shell.get_status()["queued"] == 0
+
+
+class _SlowConfigServer:
+    """A server actor handle whose ``get_rollout_config`` answers only when the test says so:
+    the router's first acquire waits there (``_configure``), the window in which a client's
+    cancel can reach the router before its acquire."""
+
+    def __init__(self):
+        self.answer = asyncio.Event()
+        self.get_rollout_config = self
+
+    def remote(self):
+        async def config():
+            await self.answer.wait()
+            return _Rollout()
+        return config()
+
+
+def test_a_cancel_that_reaches_the_router_before_its_acquire_is_not_lost():
+    """Ray does not order an async actor's calls: the client's ``cancel_request`` may run while
+    the acquire it cancels still waits before the queue. That acquire ends at once
+    (``AcquireCancelled``) and the request takes no slot and no queue entry (before the fix the
+    cancel found nothing, the acquire queued and was bound later, and nobody released it)."""
+    server = _SlowConfigServer()
+    shell = router.ExpectedWorkRouter({"a": server}, {"load": "requests"})
+
+    async def scenario():
+        acquire = asyncio.ensure_future(shell.acquire_server("early", prompt_ids=[1, 2]))
+        await asyncio.sleep(0)            # the acquire now waits in _configure
+        shell.cancel_request("early")     # ... and its cancel arrives first
+        server.answer.set()
+        with pytest.raises(router.AcquireCancelled, match="early"):
+            await acquire
+        # the next request is served normally, and the kept cancel is spent
+        assert (await shell.acquire_server("next", prompt_ids=[3]))[0] == "a"
+        shell.release_server("a", "next")
+
+    asyncio.run(scenario())
+    assert shell.get_total_inflight() == 0 and shell.get_status()["queued"] == 0
+    assert not shell._cancelled_early
+
+
+def test_kept_cancels_are_bounded_in_number_and_age(monkeypatch):
+    """A cancel whose acquire never comes (Ray dropped the cancelled call) is kept only so
+    long and only so many: the router actor lives for the whole run."""
+    shell = _router("a")
+    monkeypatch.setattr(router, "EARLY_CANCEL_KEPT", 3)
+    for rid in ("c1", "c2", "c3", "c4"):
+        shell.cancel_request(rid)
+    assert list(shell._cancelled_early) == ["c2", "c3", "c4"]
+    clock = [1000.0]
+    monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
+    shell._cancelled_early.clear()
+    shell.cancel_request("old")
+    clock[0] += router.EARLY_CANCEL_KEEP_S + 1
+    shell.cancel_request("new")
+    assert list(shell._cancelled_early) == ["new"]
+
+
+def test_a_cancel_of_a_request_the_router_holds_keeps_nothing():
+    """A cancel that finds its request (queued or bound) drops it and keeps no record."""
+    shell = _router("a")
+
+    async def scenario():
+        await shell.acquire_server("held", prompt_ids=[1])
+    asyncio.run(scenario())
+    shell.cancel_request("held")
+    assert shell.get_total_inflight() == 0 and not shell._cancelled_early
