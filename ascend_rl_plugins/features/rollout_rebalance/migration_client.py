@@ -21,8 +21,11 @@ but the client never received (cut off by the abort) is computed again at the de
 
 What cannot move exactly: ``n > 1`` (one parent, many children), seeded random sampling (the
 destination would restart the seed's generator), presence/frequency penalties (they count
-output tokens only, which the destination sees as prompt), stop strings (a string spanning
-the boundary). :func:`check_migratable` refuses those by name; such requests run unmoved.
+output tokens only, which the destination sees as prompt), stop strings and bad words (a
+string spanning the boundary), structured outputs (the grammar would restart), prompt
+truncation (each hop's prompt is longer). :func:`check_migratable` refuses those by name; such
+requests run unmoved. ``max_tokens`` and ``min_tokens`` are reduced per hop (:func:`hop_limits`,
+which verl's client shares).
 
 Engines are vLLM ``AsyncLLM``-like objects: ``generate(prompt, sampling_params, request_id)``
 (an async iterator of ``RequestOutput``), ``abort(request_id)``, ``errored``.
@@ -284,20 +287,50 @@ def policy_from_flags(rollout_migration: str | None = None, interval_s: float | 
 FROM_FLAGS = "flags"
 
 
+def hop_limits(max_tokens: int, min_tokens: int | None, received: int) -> tuple[int, int]:
+    """The next hop's ``(max_tokens, min_tokens)`` once the request has received ``received``
+    tokens in earlier hops: both limits count the request's output, and the next hop's output
+    starts after those tokens (its prompt holds them). ``min_tokens`` never goes below 0: with
+    it unreduced, every hop suppressed EOS (and the stop tokens) anew, and a hop whose
+    remaining budget fell below it was refused by vLLM (min_tokens > max_tokens)."""
+    return max_tokens - received, max(0, (min_tokens or 0) - received)
+
+
+# vLLM's SamplingParams defaults, for parameters given as a dict that leaves them out (verl's)
+_VLLM_DEFAULTS = {"n": 1, "temperature": 1.0}
+
+
 def check_migratable(params) -> None:
-    """Raise ValueError naming the sampling parameter that a move would change."""
-    if getattr(params, "n", 1) != 1:
-        raise ValueError(f"n={params.n}: only n=1 requests move (verl submits n=1 per sample)")
-    if getattr(params, "seed", None) is not None and getattr(params, "temperature", 0.0) > 0:
+    """Raise ValueError naming the sampling parameter that a move would change (``params``:
+    vLLM's ``SamplingParams``, or any object with its attribute names; one left out has
+    vLLM's default). ``max_tokens`` and ``min_tokens`` move: each hop gets them reduced
+    (:func:`hop_limits`); so do the per-step ones (temperature, top-p/k, min-p, repetition
+    penalty, which counts prompt and output alike, logit bias, allowed and stop token ids)."""
+    def given(name):
+        return getattr(params, name, _VLLM_DEFAULTS.get(name))
+
+    if given("n") != 1:
+        raise ValueError(f"n={given('n')}: only n=1 requests move (verl submits n=1 per sample)")
+    if given("seed") is not None and (given("temperature") or 0.0) > 0:
         raise ValueError("seed: a seeded random request would restart its generator at the "
                          "destination; use seed=None or temperature=0")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name, 0.0):
+        if given(name):
             raise ValueError(f"{name}: it counts output tokens only, which the destination sees "
                              f"as prompt; use 0")
-    if getattr(params, "stop", None):
+    if given("stop"):
         raise ValueError("stop: a stop string may span the move; stop on token ids "
                          "(stop_token_ids) instead")
+    if given("bad_words"):
+        raise ValueError("bad_words: vLLM matches them against output tokens only, so a word of "
+                         "several tokens may span the move unblocked; leave bad_words unset")
+    for name in ("structured_outputs", "guided_decoding"):
+        if given(name) is not None:
+            raise ValueError(f"{name}: the grammar's state covers the output so far, which the "
+                             f"destination would restart from its start; leave {name} unset")
+    if given("truncate_prompt_tokens") is not None:
+        raise ValueError("truncate_prompt_tokens: each hop's prompt holds the tokens received "
+                         "before it, so it would be truncated differently; leave it unset")
 
 
 class NoLiveReplica(RuntimeError):
@@ -371,8 +404,8 @@ class MigratingClient:
             hops.append(hop)
             export_key = new_key() if movable and self.policy is not None else None
             hop_params = params.clone()
-            hop_params.max_tokens = max_tokens - len(tokens)
-            hop_params.min_tokens = max(0, (params.min_tokens or 0) - len(tokens))
+            hop_params.max_tokens, hop_params.min_tokens = hop_limits(max_tokens, params.min_tokens,
+                                                                      len(tokens))
             hop_params.output_kind = RequestOutputKind.DELTA
             hop_params.extra_args = dict(params.extra_args or {}, kv_transfer_params=MigrationParams(
                 export_key=export_key, load_key=load_key).as_kv_transfer_params())

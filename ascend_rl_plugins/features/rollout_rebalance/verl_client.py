@@ -31,7 +31,10 @@ exact, one Ray call per replica; verl's non-streaming ``generate`` reports a hop
 when it ends), runs ``tail_policy.plan_moves`` over all requests on the replicas (other agent-loop
 workers' requests count as load but only this client's own move), and aborts the hops it moves.
 Every agent-loop worker holds its own copy of the client and plans over the same replica reads
-with the same deterministic planner, so their plans agree and each carries out its own share.
+with the same deterministic planner, so their plans agree and each carries out its own share:
+each worker builds every request's view from the read alone (:func:`request_view`; a hop's id
+says how many tokens the request received before it, so a moved request looks the same, whole,
+to every worker), and names it by its hop id (the planner breaks ties by name).
 
 Imports verl and Ray: import it where verl runs (the agent-loop workers unpickle it).
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import types
 from collections import deque
@@ -56,6 +60,7 @@ from .migration_client import (
     PlannedMigration,
     ReplicaCapacity,
     check_migratable,
+    hop_limits,
     replica_capacity,
 )
 
@@ -132,11 +137,44 @@ def progress_on_server(server) -> ServerProgress:
         for state in states if state.parent_req is None))
 
 
+# a hop's id at its server: a fresh uuid and the tokens its request received in earlier hops
+_HOP_ID = re.compile(r"([0-9a-f]{32})-before(\d+)")
+
+
+def hop_id_for(tokens_before: int) -> str:
+    """A new hop's request id at its server, saying how many tokens the request received in
+    earlier hops (:func:`tokens_before_hop` reads it back, in whichever worker reads the server)."""
+    return f"{uuid4().hex}-before{int(tokens_before)}"
+
+
+def tokens_before_hop(hop_id: str) -> int:
+    """The tokens received before the hop ``hop_id`` (0: a first hop, or a request this project's
+    client did not submit)."""
+    match = _HOP_ID.fullmatch(hop_id)
+    return int(match.group(2)) if match else 0
+
+
+def request_view(server_id: str, q: ServerRequest, movable: bool = False) -> InFlight:
+    """One request a replica read shows, as the planner sees it: named by its hop id, with the
+    request's own prompt, every token it generated (earlier hops too) and its whole budget.
+    Every worker builds it from the read alone, so every worker sees the same request whatever
+    its owner: the KV it holds (prompt + generated: the hop's prompt + this hop's output) and
+    its remaining budget (the hop's ``max_tokens`` - this hop's output) are the server's, and
+    its age (generated) counts the earlier hops, for the planner's survival rule. ``movable``
+    is the reader's (its own request, in flight); it does not enter the plan."""
+    before = tokens_before_hop(q.hop_id)
+    if before > q.prompt_tokens:   # no hop of this project's: a foreign id of that form
+        before = 0
+    generated = before + q.generated
+    max_tokens = before + q.max_tokens if q.max_tokens is not None else generated + 1
+    return InFlight(q.hop_id, server_id, q.prompt_tokens - before, generated, max_tokens, movable)
+
+
 @dataclass(frozen=True)
 class CurrentHop:
     """The hop a request of this client runs now."""
 
-    hop_id: str            # its id at the server (what progress_on_server reports)
+    hop_id: str            # its id at the server (what progress_on_server reports; hop_id_for)
     tokens_before: int     # tokens the request received in earlier hops
     replica: str = ""      # the server it runs on
     export_key: str = ""   # where its KV goes if aborted (and its preemption mark's name)
@@ -206,9 +244,10 @@ class MigratingLLMServerClient(LLMServerClient):
         self.export_timeout_s = export_timeout_s
         self.dead: set[str] = set()
         self.stats = MigrationStats()
-        self._own: dict[str, InFlight] = {}        # this client's movable requests in flight
+        self._own: set[str] = set()                # this client's planned requests in flight
         self._hop: dict[str, CurrentHop] = {}      # request id -> the hop it runs now
-        self._foreign: dict[str, InFlight] = {}    # other requests on the replicas, last read
+        self._seen: dict[str, InFlight] = {}       # hop id -> every request of the last read
+                                                   # (replaced each round, emptied when idle)
         self._orders: dict[str, MoveRecord] = {}   # request id -> the move its aborted hop makes
         self._planner: asyncio.Task | None = None
         self.requeue_preempted = requeue_preempted
@@ -230,9 +269,10 @@ class MigratingLLMServerClient(LLMServerClient):
 
     @property
     def in_flight(self) -> dict:
-        """What the planner sees (``PlannedMigration.views``): this client's requests and, as
-        unmovable load, every other request the replicas held at the last read."""
-        return {**self._foreign, **self._own}
+        """What the planner saw in the last round (``PlannedMigration.views``): every request
+        the replicas held at the last read, by hop id (:func:`request_view`), this client's own
+        hops movable, every other one unmovable load."""
+        return dict(self._seen)
 
     def _max_tokens(self, prompt_ids: list, sampling_params: dict) -> int:
         """The request's whole budget, as verl's server would default it for the first hop."""
@@ -308,13 +348,29 @@ class MigratingLLMServerClient(LLMServerClient):
             await self._refresh_replicas()
         return server_id
 
+    def check_migratable(self, sampling_params: dict) -> None:
+        """Raise ValueError naming what a move of a request with ``sampling_params`` would
+        change: :func:`.migration_client.check_migratable` on the parameters given (left out:
+        vLLM's defaults), and what verl's server adds to them: under ``full_determinism`` it
+        seeds every request with its replica's seed, so a random request's generator would
+        restart at the destination, with another seed."""
+        given = {k: v for k, v in sampling_params.items() if k != "logprobs"}
+        check_migratable(types.SimpleNamespace(**given))
+        try:
+            seeded = bool(self.config.actor_rollout_ref.rollout.full_determinism)
+        except AttributeError:   # no such config (a test's client, another verl)
+            seeded = False
+        if seeded and given.get("seed") is None and (given.get("temperature", 1.0) or 0.0) > 0:
+            raise ValueError("full_determinism: verl's server seeds each request with its "
+                             "replica's seed, which a move would change; use temperature=0 or "
+                             "turn actor_rollout_ref.rollout.full_determinism off")
+
     async def generate(self, request_id, *, prompt_ids: list, sampling_params: dict, **kwargs):
         movable = self.policy is not None and not any(
             kwargs.get(k) is not None for k in ("image_data", "video_data", "audio_data"))
         if movable:
             try:
-                check_migratable(types.SimpleNamespace(**{k: v for k, v in sampling_params.items()
-                                                          if k != "logprobs"}))
+                self.check_migratable(sampling_params)
             except ValueError as exc:
                 log.info("ascend-rl migration: %s stays where it starts: %s", request_id, exc)
                 movable = False
@@ -331,9 +387,10 @@ class MigratingLLMServerClient(LLMServerClient):
             return await self._hops(request_id, server_id, list(prompt_ids), dict(sampling_params),
                                     kwargs, held)
         finally:
-            self._own.pop(request_id, None)
+            self._own.discard(request_id)
             self._hop.pop(request_id, None)
             self._orders.pop(request_id, None)
+            self._requeue.pop(request_id, None)   # a cancelled hop's mark: nothing else drops it
             if held[0] is None:   # cancelled (or failed) while acquiring: no slot, no queue entry
                 self._cancel_at_router(request_id)
             else:
@@ -354,58 +411,62 @@ class MigratingLLMServerClient(LLMServerClient):
 
     async def _plan_while_busy(self) -> None:
         """The live trigger: a plan every ``interval_s`` while this client has requests in flight."""
-        while self._own:
-            await asyncio.sleep(self.policy.interval_s)
-            if not self._own:
-                return
-            try:
-                await self.plan_round()
-            except Exception as exc:  # noqa: BLE001 - a plan never fails a request; said in the log
-                log.warning("ascend-rl migration: plan round failed: %s: %s", type(exc).__name__, exc)
+        try:
+            while self._own:
+                await asyncio.sleep(self.policy.interval_s)
+                if not self._own:
+                    return
+                try:
+                    await self.plan_round()
+                except Exception as exc:  # noqa: BLE001 - a plan never fails a request; logged
+                    log.warning("ascend-rl migration: plan round failed: %s: %s",
+                                type(exc).__name__, exc)
+        finally:
+            self._seen = {}   # idle: no read is kept across steps
 
     async def plan_round(self) -> list:
         """Read every live replica, plan, and order this client's planned moves (abort their
-        hops at the source). Returns the moves ordered."""
+        hops at the source). Returns the moves ordered (named by hop id, as planned).
+
+        The plan's input is the read alone, the same in every agent-loop worker: each request
+        as :func:`request_view` builds it, named by its hop id, in the read's order; only
+        which ones are movable (this client's own hops) differs, and that does not enter the
+        plan. A request of this client the read does not show (between hops, or its hop not
+        yet at the server) is not planned here, as it is not in any other worker."""
         policy: PlannedMigration = self.policy
         await self._refresh_replicas()
         live = self._live()
         reads = await asyncio.gather(*(self.replicas[s].__ray_call__.remote(progress_on_server)
                                        for s in live), return_exceptions=True)
         progress = {s: r for s, r in zip(live, reads) if isinstance(r, ServerProgress)}
-        mine = {hop.hop_id: (request_id, hop) for request_id, hop in self._hop.items()}
-        foreign = {}
+        mine = {hop.hop_id: request_id for request_id, hop in self._hop.items()}
+        seen = {}
         for server_id, read in progress.items():
             for q in read.requests:
-                if q.hop_id in mine:
-                    request_id, hop = mine[q.hop_id]
-                    record = self._own.get(request_id)
-                    if record is not None and record.replica == server_id:
-                        record.generated = hop.tokens_before + q.generated
-                else:
-                    foreign[q.hop_id] = InFlight(q.hop_id, server_id, q.prompt_tokens, q.generated,
-                                                 q.max_tokens or q.generated + 1, movable=False)
-        self._foreign = foreign
+                seen[q.hop_id] = request_view(server_id, q, movable=q.hop_id in mine)
+        self._seen = seen
         policy.capacities = {s: r.capacity for s, r in progress.items()}
-        moves = policy.plan(list(progress), self.in_flight)
+        moves = policy.plan(list(progress), seen)
         self.stats.rounds = policy.rounds
         self.stats.planned = policy.planned
         ordered = []
         for m in moves:
-            record = self._own.get(m.request_id)
-            hop = self._hop.get(m.request_id)
-            if (record is None or hop is None or not record.movable or record.replica != m.source
-                    or m.request_id in self._orders or m.request_id in self._requeue
-                    or record.max_tokens - record.generated <= 1):
+            request_id = mine.get(m.request_id)
+            view = seen.get(m.request_id)
+            hop = self._hop.get(request_id) if request_id is not None else None
+            if (hop is None or hop.hop_id != m.request_id or view.replica != m.source
+                    or request_id in self._orders or request_id in self._requeue
+                    or view.max_tokens - view.generated <= 1):
                 continue
-            self._orders[m.request_id] = MoveRecord(m.request_id, m.source, m.destination,
-                                                    hop.tokens_before, record.generated)
+            self._orders[request_id] = MoveRecord(request_id, m.source, m.destination,
+                                                  hop.tokens_before, view.generated)
             policy.started += 1
             self.stats.ordered += 1
             ordered.append(m)
             try:
                 await self.replicas[m.source].__ray_call__.remote(_abort_on_server, hop.hop_id)
             except Exception as exc:  # noqa: BLE001 - the source died: its hop fails over by itself
-                log.warning("ascend-rl migration: abort of %s at %s: %s", m.request_id, m.source, exc)
+                log.warning("ascend-rl migration: abort of %s at %s: %s", request_id, m.source, exc)
         return ordered
 
     def _start_watcher(self) -> None:
@@ -482,9 +543,8 @@ class MigratingLLMServerClient(LLMServerClient):
         ran_on: str | None = None   # the replica the last hop ran on
         store = self.store
         planned = isinstance(self.policy, PlannedMigration)
-        record = InFlight(request_id, replica, len(prompt_ids), 0, budget, movable=True)
         if planned:
-            self._own[request_id] = record
+            self._own.add(request_id)
             self._start_planner()
         while True:
             if replica in self.dead or replica not in self.replicas:
@@ -500,16 +560,19 @@ class MigratingLLMServerClient(LLMServerClient):
             move_pending, ran_on = False, replica
             await self._tell_router(request_id, held, replica)
             server = self.replicas[replica]
-            hop_id = uuid4().hex
+            hop_id = hop_id_for(len(tokens))
             export_key = new_key()
-            record.replica, record.generated = replica, len(tokens)
             self._hop[request_id] = CurrentHop(hop_id, len(tokens), replica, export_key)
             self._start_watcher()
             if load_key is not None:
                 self.stats.loads += 1
+            hop_params = dict(sampling_params)
+            hop_params["max_tokens"], min_tokens = hop_limits(
+                budget, sampling_params.get("min_tokens"), len(tokens))
+            if sampling_params.get("min_tokens") is not None:
+                hop_params["min_tokens"] = min_tokens
             call = server.generate.remote(
-                request_id=hop_id, prompt_ids=prompt_ids + tokens,
-                sampling_params=dict(sampling_params, max_tokens=budget - len(tokens)),
+                request_id=hop_id, prompt_ids=prompt_ids + tokens, sampling_params=hop_params,
                 kv_transfer_params=MigrationParams(
                     export_key, load_key, mark_preempted=self.requeue_preempted).as_kv_transfer_params(),
                 **kwargs)
