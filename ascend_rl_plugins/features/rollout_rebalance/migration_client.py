@@ -74,7 +74,10 @@ class InFlight:
     prompt_tokens: int    # the request's own prompt
     generated: int        # tokens received in all hops
     max_tokens: int
-    movable: bool         # False: check_migratable refused it; it counts as load, never moves
+    movable: bool         # this client may move it (False: check_migratable refused it)
+    # no client can move it (refused, or a hop no migrating client submitted): every planner
+    # sees it as pinned load (a request another client may move is not movable here, not pinned)
+    pinned: bool = False
 
 
 @dataclass
@@ -206,7 +209,7 @@ class PlannedMigration:
         for r in list(in_flight.values()):
             if r.replica in views:
                 views[r.replica].running.append(tail_policy.RequestView(
-                    r.request_id, r.prompt_tokens, r.generated, expected(r)))
+                    r.request_id, r.prompt_tokens, r.generated, expected(r), movable=not r.pinned))
         return list(views.values())
 
     def plan(self, live: list, in_flight: dict | None = None) -> list:
@@ -394,7 +397,7 @@ class MigratingClient:
         load_source: str | None = None   # the replica that wrote it
         max_tokens = params.max_tokens
         record = self.in_flight[request_id] = InFlight(request_id, replica, len(prompt_token_ids),
-                                                       0, max_tokens, movable)
+                                                       0, max_tokens, movable, pinned=not movable)
         while True:
             if replica not in self.live():
                 replica = self._pick(prefer=load_source)

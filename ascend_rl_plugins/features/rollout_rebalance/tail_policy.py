@@ -168,6 +168,9 @@ class RequestView:
     prompt_tokens: int
     generated_tokens: int
     expected_response_tokens: float  # the router's estimate for its prompt (group)
+    # False: no client can move it (refused by ``check_migratable``, or not submitted by a
+    # migrating client); it counts as its replica's load and is never planned to move
+    movable: bool = True
 
     @property
     def tokens(self) -> int:
@@ -284,14 +287,21 @@ def plan_moves(replicas: list[ReplicaView], step: StepCostModel, transfer: Trans
 
     # 2. the longest-horizon replica's longest request to where it finishes earliest
     done: set[str] = {m.request_id for m in moves}
+    pinned_top: set[str] = set()   # replicas whose longest request cannot move
     while len(moves) < settings.max_moves:
-        candidates = [b for b in books if b.moves < settings.moves_per_replica and b.running]
+        candidates = [b for b in books if b.moves < settings.moves_per_replica and b.running
+                      and b.view.server_id not in pinned_top]
         if not candidates:
             break
         src = max(candidates, key=lambda b: (b.horizon_s(step), b.view.server_id))
         request = src.longest()
         if request.request_id in done:
             break
+        if not request.movable:
+            # the replica's horizon is a request nobody can move: no move shortens it, and a
+            # planned move nobody carries out would still spend the round's moves
+            pinned_top.add(src.view.server_id)
+            continue
         left = remaining[request.request_id]
         src_step_s = src.step_ms(step) / 1000
         finish_here = left * src_step_s

@@ -161,13 +161,18 @@ def request_view(server_id: str, q: ServerRequest, movable: bool = False) -> InF
     its owner: the KV it holds (prompt + generated: the hop's prompt + this hop's output) and
     its remaining budget (the hop's ``max_tokens`` - this hop's output) are the server's, and
     its age (generated) counts the earlier hops, for the planner's survival rule. ``movable``
-    is the reader's (its own request, in flight); it does not enter the plan."""
+    is the reader's (its own request, in flight); it does not enter the plan. A request whose
+    id is not a hop id (verl's own client, or a request the migrating client refused to move:
+    both run through verl's ``generate`` under verl's id) is pinned for every worker: no
+    worker can move it, so no plan spends a move on it."""
+    ours = _HOP_ID.fullmatch(q.hop_id) is not None
     before = tokens_before_hop(q.hop_id)
     if before > q.prompt_tokens:   # no hop of this project's: a foreign id of that form
-        before = 0
+        before, ours = 0, False
     generated = before + q.generated
     max_tokens = before + q.max_tokens if q.max_tokens is not None else generated + 1
-    return InFlight(q.hop_id, server_id, q.prompt_tokens - before, generated, max_tokens, movable)
+    return InFlight(q.hop_id, server_id, q.prompt_tokens - before, generated, max_tokens, movable,
+                    pinned=not ours)
 
 
 @dataclass(frozen=True)

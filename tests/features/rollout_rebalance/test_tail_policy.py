@@ -44,6 +44,21 @@ def test_a_slow_link_makes_the_move_a_re_prefill_and_no_gain_means_no_move():
     assert tp.plan_moves([_replica("a", nearly_done), _replica("b")], STEP, FAST_LINK, 32768, lazy) == []
 
 
+def test_a_request_no_client_can_move_is_never_planned_and_spends_no_move():
+    """A replica whose longest request is pinned (its client refused to move it, or no
+    migrating client submitted it): no plan names it (a planned move nobody carries out would
+    spend the round's ``moves_per_replica``); another replica's movable long request still
+    moves. Before ``RequestView.movable`` the planner named the pinned one."""
+    pinned = [tp.RequestView("pinned", 500, 8000, 30000, movable=False)] + \
+        [_req(f"s{i}", 100, 400) for i in range(120)]
+    assert tp.plan_moves([_replica("a", pinned), _replica("b")], STEP, FAST_LINK, 32768) == []
+    movable = [_req("long", generated=8000, expected=30000)] + [_req(f"t{i}", 100, 400) for i in range(120)]
+    one = tp.TailSettings(moves_per_replica=1)
+    moves = tp.plan_moves([_replica("a", pinned), _replica("c", movable), _replica("b")],
+                          STEP, FAST_LINK, 32768, one)
+    assert [(m.request_id, m.source) for m in moves] == [("long", "c")], moves
+
+
 def test_a_move_never_overfills_the_destination():
     full = _replica("b", [_req(f"f{i}", 4000, 5000) for i in range(150)], kv=700_000)
     moves = tp.plan_moves([_loaded_and_idle()[0], full], STEP, FAST_LINK, 32768)

@@ -304,8 +304,10 @@ def test_each_hop_asks_min_tokens_less_what_the_request_received(tmp_path, min_t
 
 def _planned(interval_s: float = 1000.0):
     """Each worker's own policy, alike (a plan only when the test asks: ``plan_round``)."""
-    from ascend_rl_plugins.features.rollout_rebalance import tail_policy
-    from ascend_rl_plugins.features.rollout_rebalance.migration_client import PlannedMigration
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
+        PlannedMigration,
+        ReplicaCapacity,
+    )
     return PlannedMigration(
         interval_s=interval_s,
         step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
@@ -417,3 +419,28 @@ def test_a_seed_the_server_adds_under_full_determinism_keeps_a_random_request_in
     client(False).check_migratable({"temperature": 1.0, "min_tokens": 4})
     with pytest.raises(ValueError, match="bad_words"):
         client(False).check_migratable({"temperature": 0.0, "bad_words": ["x y"]})
+
+
+def test_a_request_under_verls_own_id_is_pinned_for_every_worker():
+    """Requests the migrating client did not submit as hops (verl's own client, or one it
+    refused to move, both under verl's id) are pinned in every worker's view, so the planner
+    spends no move on them; a hop id of this client is movable by its owner only."""
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
+        PlannedMigration,
+        ReplicaCapacity,
+    )
+    from ascend_rl_plugins.features.rollout_rebalance.verl_client import (
+        ServerRequest,
+        hop_id_for,
+        request_view,
+    )
+    verl_id = ServerRequest("0f3c9a7e5b2d4c1e8f6a0b9c7d5e3f1a", 100, 50, 1000)
+    hop = ServerRequest(hop_id_for(20), 120, 30, 980)
+    assert request_view("r", verl_id).pinned and request_view("r", verl_id, movable=True).pinned
+    seen = request_view("r", hop)
+    assert not seen.pinned and (seen.prompt_tokens, seen.generated, seen.max_tokens) == (100, 50, 1000)
+    policy = PlannedMigration(interval_s=1.0, capacities={
+        k: ReplicaCapacity(slots=8, kv_tokens=10_000) for k in ("r", "s")})
+    views = policy.views(["r", "s"], {"a": request_view("r", verl_id), "b": request_view("r", hop)})
+    assert [(v.request_id, v.movable) for v in views[0].running] == [(verl_id.hop_id, False),
+                                                                    (hop.hop_id, True)]
