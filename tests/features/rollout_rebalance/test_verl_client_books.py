@@ -304,10 +304,8 @@ def test_each_hop_asks_min_tokens_less_what_the_request_received(tmp_path, min_t
 
 def _planned(interval_s: float = 1000.0):
     """Each worker's own policy, alike (a plan only when the test asks: ``plan_round``)."""
-    from ascend_rl_plugins.features.rollout_rebalance.migration_client import (
-        PlannedMigration,
-        ReplicaCapacity,
-    )
+    from ascend_rl_plugins.features.rollout_rebalance import tail_policy
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import PlannedMigration
     return PlannedMigration(
         interval_s=interval_s,
         step=tail_policy.StepCostModel(((1, 10.0), (8, 80.0)), attention_ms_per_token=0.0),
