@@ -9,16 +9,24 @@ A migration of request R from replica A to replica B:
 
 1. R was submitted to A with ``kv_transfer_params[PARAMS_KEY] = {"export_key": K}``.
 2. The client aborts R at A. A's scheduler hands R's blocks to :meth:`request_finished`, which
-   keeps them (delayed free) and schedules an export; the next step's worker-side connector
-   copies those blocks into the :class:`KVExportStore` under K (one file, written under a
-   temporary name and renamed: it appears complete or not at all) and reports R as sent, so
-   A frees the blocks. The export covers the tokens A had computed KV for and names them.
-3. The client submits R' to B: prompt = R's prompt + the tokens the client received,
-   ``max_tokens`` reduced, ``{"load_key": K, "export_key": K'}``. B's scheduler asks
+   keeps them (delayed free) and schedules an export; in the next step every worker-side
+   connector (one per TP rank of each PP stage, each holding its own KV heads of its own
+   layers) copies those blocks of its KV tensors into the :class:`KVExportStore` under K as
+   its own part (files named by K and its ranks, each written under a temporary name and
+   renamed: a part appears complete or not at all) and reports R as sent; A frees the blocks
+   once every worker did. The export covers the tokens A had computed KV for and names them;
+   it is complete when every rank's part is there and all agree on the tokens (a request that
+   computed nothing gets one empty export for all ranks at once, written by the scheduler).
+3. The client, once the export is complete (:meth:`KVExportStore.exists`), submits R' to B:
+   prompt = R's prompt + the tokens the client received, ``max_tokens`` reduced,
+   ``{"load_key": K, "export_key": K'}``. B's scheduler asks
    :meth:`get_num_new_matched_tokens`: the longest prefix of R' whose tokens equal the
    export's (never the last prompt token: vLLM computes at least one), minus what B's own
-   prefix cache holds; B allocates blocks and the worker-side connector copies the exported
-   blocks into them before the forward pass. B decodes on from the same KV.
+   prefix cache holds; B allocates blocks and each worker-side connector copies its own
+   rank's part into them before the forward pass. B decodes on from the same KV. An export
+   written at another TP or PP size than B's is refused by name (a warning naming the key and
+   both engines' sizes) and B re-prefills: B's ranks would find no part, or another split of
+   the heads, under their own ranks.
 4. The client deletes K only after B answered (its first output: B holds R' and loaded K).
    Until then the export is the request's state: if B fails, R resumes at A (or any live
    replica) from K, or by re-prefill if K is gone. :mod:`.migration_client` owns that
@@ -28,6 +36,13 @@ A missing, foreign or unreadable export costs a re-prefill, never a wrong token:
 scheduler side matches only tokens the export names, and a load that fails in the worker
 reports its blocks through ``get_block_ids_with_load_errors`` (vLLM recomputes them under
 ``kv_load_failure_policy="recompute"``, which :func:`kv_transfer_config` sets).
+
+Stale exports are swept when the store starts: each connector, when it opens the store,
+removes every export (all its parts and its preemption mark) and every temporary file older
+than ``kv_connector_extra_config["stale_export_max_age_s"]`` (default 6 hours: an export lives
+from its hop's abort until the destination's hop ends, minutes; the replicas sharing the
+directory cannot know which of the others' exports are still wanted, so age is the rule).
+What it finds are the leftovers of killed runs, which would otherwise hold ``/dev/shm``.
 
 Transport: on CPU a directory, by default on tmpfs (``/dev/shm``): every replica on one host
 reads and writes it (a shared file system would span hosts, slowly). On Atlas A3 the same
@@ -44,7 +59,9 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,9 +77,13 @@ from vllm.v1.request import RequestStatus
 from .connector_config import (  # noqa: F401 - the connector's config, re-exported here
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
+    DEFAULT_STALE_MAX_AGE_S,
     DEFAULT_STORE_DIR,
+    EXTRA_CONFIG_KEYS,
+    STALE_MAX_AGE_KEY,
     STORE_DIR_KEY,
     kv_transfer_config,
+    stale_max_age_s,
 )
 
 if TYPE_CHECKING:
@@ -125,38 +146,86 @@ def _valid_key(key: Any) -> bool:
 
 
 # -- the store --------------------------------------------------------------------------------
+# a part's file name: <key>@pp<pp rank>-tp<tp rank>.<kv|json>, or <key>@all.json for an export
+# with no KV at all; '@' is no character of a key, so no key's files share another key's prefix
+PART_SEPARATOR = "@"
+WHOLE_PART = "all"
+PARTIAL_PREFIX = ".partial-"
+_EXPORT_FILE = re.compile(r"^(?P<key>[^@/]+)@(?:pp(?P<pp>\d+)-tp(?P<tp>\d+)\.(?:kv|json)|all\.json)$")
+
+
 @dataclass(frozen=True)
 class ExportHeader:
-    """What an export holds: the tokens whose KV it carries (in order, from position 0), the
-    block size, and per KV tensor its name, dtype and block shape (to refuse a foreign
-    layout before copying)."""
+    """What one part of an export holds: the tokens whose KV it carries (in order, from position
+    0), the block size, and per KV tensor of its rank its name, dtype and block shape (to refuse
+    a foreign layout before copying); the engine's TP and PP sizes and the part's ranks in them
+    (every worker rank exports and loads its own part: its own KV heads, its own layers)."""
 
     tokens: list
     block_size: int
     layouts: dict = field(default_factory=dict)  # name -> [dtype, per-block shape]
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+    def __post_init__(self):
+        for kind, size, rank in (("tp", self.tp_size, self.tp_rank), ("pp", self.pp_size, self.pp_rank)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"ExportHeader: {kind}_size must be an int >= 1, got {size!r}")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(f"ExportHeader: {kind}_rank must be an int from 0 to "
+                                 f"{kind}_size - 1 = {size - 1}, got {rank!r}")
 
     @property
     def num_blocks(self) -> int:
         return math.ceil(len(self.tokens) / self.block_size)
 
+    def as_json(self) -> bytes:
+        return json.dumps({"tokens": list(self.tokens), "block_size": self.block_size,
+                           "layouts": self.layouts, "tp_size": self.tp_size, "pp_size": self.pp_size,
+                           "tp_rank": self.tp_rank, "pp_rank": self.pp_rank}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "ExportHeader":
+        d = json.loads(raw)
+        return cls(list(d["tokens"]), int(d["block_size"]), d["layouts"], int(d["tp_size"]),
+                   int(d["pp_size"]), int(d["tp_rank"]), int(d["pp_rank"]))
+
 
 class KVExportStore:
-    """Exports as files in one directory, two per key: ``<key>.kv`` (each KV tensor's blocks,
-    ``torch.save``'d) and ``<key>.json`` (the :class:`ExportHeader`). Each is written under a
-    temporary name and renamed, the header last: an export whose header is visible is
-    complete, and the scheduler reads only the small header."""
+    """Exports as files in one directory, in parts: each worker rank of the exporting engine
+    (its TP rank within its PP stage) writes its own part, ``<key>@pp<p>-tp<t>.kv`` (its KV
+    tensors' blocks, ``torch.save``'d) and ``<key>@pp<p>-tp<t>.json`` (its
+    :class:`ExportHeader`), and loads only the part of its own ranks at the destination. Each
+    file is written under a temporary name and renamed, the header last: a part whose header is
+    visible is complete. An export is complete (:meth:`header`, :meth:`exists`) when every
+    rank's part is, and all of them agree on the tokens, the block size and the TP/PP sizes.
+    An export with no KV at all (its request computed nothing) is one file for every rank,
+    ``<key>@all.json`` (:meth:`write_empty`): complete the moment it appears.
 
-    def __init__(self, directory: str):
+    ``sweep_older_than_s`` (the connector gives it): at opening, remove every export, stray
+    temporary file and preemption mark older than that (:meth:`sweep`)."""
+
+    def __init__(self, directory: str, *, sweep_older_than_s: float | None = None):
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
+        if sweep_older_than_s is not None:
+            self.sweep(sweep_older_than_s)
 
     def _path(self, key: str, suffix: str) -> str:
         if not _valid_key(key):
             raise ValueError(f"bad export key {key!r}")
         return os.path.join(self.directory, f"{key}{suffix}")
 
+    def _part_path(self, key: str, tp_rank: int, pp_rank: int, suffix: str) -> str:
+        return self._path(key, f"{PART_SEPARATOR}pp{int(pp_rank)}-tp{int(tp_rank)}{suffix}")
+
+    def _whole_path(self, key: str) -> str:
+        return self._path(key, f"{PART_SEPARATOR}{WHOLE_PART}.json")
+
     def _write_atomic(self, path: str, write) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".partial-")
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=PARTIAL_PREFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
@@ -167,49 +236,139 @@ class KVExportStore:
             raise
 
     def write(self, key: str, header: ExportHeader, tensors: dict) -> int:
-        """Store an export; returns its size in bytes."""
-        self._write_atomic(self._path(key, ".kv"), lambda f: torch.save(tensors, f))
-        text = json.dumps({"tokens": list(header.tokens), "block_size": header.block_size,
-                           "layouts": header.layouts}).encode()
-        self._write_atomic(self._path(key, ".json"), lambda f: f.write(text))
-        return os.path.getsize(self._path(key, ".kv")) + len(text)
+        """Store the part of ``header``'s ranks (``header.tp_rank``, ``header.pp_rank``: the
+        whole export where TP and PP are 1); returns its size in bytes."""
+        data = self._part_path(key, header.tp_rank, header.pp_rank, ".kv")
+        self._write_atomic(data, lambda f: torch.save(tensors, f))
+        text = header.as_json()
+        self._write_atomic(self._part_path(key, header.tp_rank, header.pp_rank, ".json"),
+                           lambda f: f.write(text))
+        return os.path.getsize(data) + len(text)
 
-    def header(self, key: str) -> ExportHeader | None:
-        """The complete export's header under ``key``, or None if there is none."""
+    def write_empty(self, key: str, header: ExportHeader) -> None:
+        """Store an export of no tokens for every rank at once (one file, complete when it
+        appears): what the scheduler writes for a request that computed nothing."""
+        if header.tokens:
+            raise ValueError(f"write_empty: export {key} names {len(header.tokens)} tokens; an "
+                             "export with KV is written by each rank (write)")
+        text = header.as_json()
+        self._write_atomic(self._whole_path(key), lambda f: f.write(text))
+
+    def _read_header(self, path: str) -> ExportHeader | None:
         try:
-            with open(self._path(key, ".json"), "rb") as f:
-                raw = json.loads(f.read())
+            with open(path, "rb") as f:
+                return ExportHeader.from_json(f.read())
         except FileNotFoundError:
             return None
-        return ExportHeader(list(raw["tokens"]), int(raw["block_size"]), raw["layouts"])
 
-    def read(self, key: str) -> tuple[ExportHeader, dict] | None:
-        header = self.header(key)
+    def part_header(self, key: str, tp_rank: int = 0, pp_rank: int = 0) -> ExportHeader | None:
+        """One rank's part's header, or None where that part is not (yet) there."""
+        return self._read_header(self._part_path(key, tp_rank, pp_rank, ".json"))
+
+    def header(self, key: str) -> ExportHeader | None:
+        """The complete export's header under ``key`` (its first part's: the tokens, block size
+        and TP/PP sizes every part agrees on), or None where there is none: no part yet, a part
+        missing, or parts that disagree."""
+        first = self.part_header(key)
+        if first is None:
+            return self._read_header(self._whole_path(key))
+        for pp_rank in range(first.pp_size):
+            for tp_rank in range(first.tp_size):
+                if tp_rank == 0 and pp_rank == 0:
+                    continue
+                part = self.part_header(key, tp_rank, pp_rank)
+                if part is None or part.tokens != first.tokens or \
+                        part.block_size != first.block_size or part.tp_size != first.tp_size or \
+                        part.pp_size != first.pp_size:
+                    return None
+        return first
+
+    def read(self, key: str, tp_rank: int = 0, pp_rank: int = 0) -> tuple[ExportHeader, dict] | None:
+        """One rank's part (its header and KV blocks), or None where it is not there."""
+        header = self.part_header(key, tp_rank, pp_rank)
         if header is None:
             return None
         try:
-            with open(self._path(key, ".kv"), "rb") as f:
+            with open(self._part_path(key, tp_rank, pp_rank, ".kv"), "rb") as f:
                 return header, torch.load(f, weights_only=True)
         except FileNotFoundError:
             return None
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key, ".json"))
+        """Whether the export is complete (every rank's part there): what a client waits for."""
+        return self.header(key) is not None
+
+    def _files_of(self, key: str) -> list[str]:
+        """The file names of ``key``'s parts present now, headers first."""
+        self._path(key, "")   # validates the key
+        names = [n for n in os.listdir(self.directory)
+                 if n.startswith(key + PART_SEPARATOR) and _EXPORT_FILE.match(n)]
+        return sorted(names, key=lambda n: (not n.endswith(".json"), n))
 
     def delete(self, key: str) -> bool:
-        """Drop an export (header first: it stops being visible before its bytes go)."""
-        found = False
-        for suffix in (".json", ".kv"):
+        """Drop every part of an export (each part's header before its bytes: it stops being
+        visible first). Returns whether the export was complete (:meth:`exists`) when called:
+        a caller waiting for an export to be written and then dropping it (verl's client) stops
+        on True, and dropping an incomplete one still removes the parts there."""
+        try:
+            complete = self.exists(key)
+        except (ValueError, KeyError, TypeError):   # a part's header unreadable: drop it too
+            complete = False
+        for name in self._files_of(key):
             try:
-                os.unlink(self._path(key, suffix))
-                found = True
+                os.unlink(os.path.join(self.directory, name))
             except FileNotFoundError:
                 pass
-        return found
+        return complete
 
     def keys(self) -> list[str]:
-        return sorted(n[:-5] for n in os.listdir(self.directory)
-                      if n.endswith(".json") and not n.startswith("."))
+        """The keys of the exports with any file in the store (complete or not; each once)."""
+        return sorted({m["key"] for m in map(_EXPORT_FILE.match, os.listdir(self.directory))
+                       if m is not None and not m["key"].startswith(".")})
+
+    # -- the stale-export sweep -----------------------------------------------------------------
+    def sweep(self, max_age_s: float) -> int:
+        """Remove every export whose newest file is older than ``max_age_s`` (all its parts and
+        its preemption mark), and every temporary file (``.partial-*``) that old; returns the
+        number of files removed. By file age only: several replicas share the directory, and
+        none knows which of the others' exports are still wanted. Files of other names are left
+        alone."""
+        cutoff = time.time() - max_age_s
+        newest: dict[str, float] = {}
+        files: dict[str, list[str]] = {}
+        stray: list[str] = []
+        for name in os.listdir(self.directory):
+            try:
+                mtime = os.stat(os.path.join(self.directory, name)).st_mtime
+            except FileNotFoundError:
+                continue
+            if name.startswith(PARTIAL_PREFIX):
+                if mtime < cutoff:
+                    stray.append(name)
+                continue
+            m = _EXPORT_FILE.match(name)
+            key = m["key"] if m is not None else \
+                name[:-len(PREEMPTED_SUFFIX)] if name.endswith(PREEMPTED_SUFFIX) else None
+            if key is None or not _valid_key(key):
+                continue
+            newest[key] = max(newest.get(key, mtime), mtime)
+            files.setdefault(key, []).append(name)
+        doomed = stray + [n for key, names in files.items() if newest[key] < cutoff
+                          for n in sorted(names, key=lambda n: not n.endswith(".json"))]
+        removed = 0
+        for name in doomed:
+            try:
+                os.unlink(os.path.join(self.directory, name))
+                removed += 1
+            except FileNotFoundError:   # another replica swept it first
+                pass
+            except OSError as exc:
+                log.warning("ascend-rl kv_migration: sweeping %s: %s", name, exc)
+        if removed:
+            log.info("ascend-rl kv_migration: swept %d stale file(s) (exports, temporary files "
+                     "and preemption marks older than %.0f s) from %s", removed, max_age_s,
+                     self.directory)
+        return removed
 
     # -- preemption marks: the engine says a hop was preempted; its client hands it back ------
     def mark_preempted(self, key: str) -> None:
@@ -256,6 +415,26 @@ class MigrationConnectorMetadata(KVConnectorMetadata):
     loads: list = field(default_factory=list)
 
 
+def _worker_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
+    """This worker's (TP rank, PP rank), from vLLM's parallel state (its TP group is the ranks
+    of its PP stage; both vLLM 0.13 and 0.23 keep ``rank_in_group`` on the group coordinators
+    that ``get_tp_group`` / ``get_pp_group`` return). A worker of an engine at TP = PP = 1 in a
+    process with no model-parallel groups (the parts' tests) is rank (0, 0)."""
+    from vllm.distributed import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        if tp_size * pp_size == 1:
+            return 0, 0
+        raise RuntimeError(f"MigrationKVConnector: a worker of an engine at tensor_parallel_size="
+                           f"{tp_size}, pipeline_parallel_size={pp_size} built before vLLM's "
+                           "model-parallel groups: its rank (its part of each export) is unknown")
+    tp_rank = parallel_state.get_tp_group().rank_in_group
+    pp_rank = parallel_state.get_pp_group().rank_in_group
+    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
+        raise RuntimeError(f"MigrationKVConnector: worker ranks tp {tp_rank}, pp {pp_rank} outside "
+                           f"tensor_parallel_size={tp_size}, pipeline_parallel_size={pp_size}")
+    return tp_rank, pp_rank
+
+
 def _common_prefix(a: list, b: list) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -277,11 +456,26 @@ class MigrationKVConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        unknown = set(extra) - {STORE_DIR_KEY}
+        unknown = set(extra) - set(EXTRA_CONFIG_KEYS)
         if unknown:
+            accepted = ", ".join(f"{k!r} ({what})" for k, what in EXTRA_CONFIG_KEYS.items())
             raise ValueError(f"{type(self).__name__}: unknown kv_connector_extra_config key(s) "
-                             f"{sorted(unknown)}; accepted: {STORE_DIR_KEY!r} (a directory)")
-        self.store = KVExportStore(str(extra.get(STORE_DIR_KEY, DEFAULT_STORE_DIR)))
+                             f"{sorted(unknown)}; accepted: {accepted}")
+        max_age_s = stale_max_age_s(extra)
+        parallel = vllm_config.parallel_config
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name, 1) != 1:
+                raise ValueError(f"{type(self).__name__}: {name}={getattr(parallel, name)} is not "
+                                 "supported (accepted: 1): its ranks split a block's tokens, which "
+                                 "the exports' block layout does not describe")
+        self.tp_size = int(parallel.tensor_parallel_size)
+        self.pp_size = int(parallel.pipeline_parallel_size)
+        # this worker's part of every export: its TP rank (its KV heads) in its PP stage (its
+        # layers); the scheduler (one per engine) holds no KV
+        self.tp_rank, self.pp_rank = _worker_ranks(self.tp_size, self.pp_size) \
+            if role == KVConnectorRole.WORKER else (0, 0)
+        self.store = KVExportStore(str(extra.get(STORE_DIR_KEY, DEFAULT_STORE_DIR)),
+                                   sweep_older_than_s=max_age_s)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         # scheduler side
@@ -311,10 +505,20 @@ class MigrationKVConnector(KVConnectorBase_V1):
             log.warning("ascend-rl kv_migration: export %s unreadable (%s); re-prefilling %s",
                         params.load_key, exc, request.request_id)
             header = None
-        if header is None or header.block_size != self.block_size:
-            if header is not None:
-                log.warning("ascend-rl kv_migration: export %s has block size %d, this engine %d; "
-                            "re-prefilling", params.load_key, header.block_size, self.block_size)
+        if header is not None and (header.tp_size, header.pp_size) != (self.tp_size, self.pp_size):
+            # each worker rank loads its own rank's part: another split of the KV heads or of
+            # the layers has no part for some rank, or a part holding other heads
+            log.warning("ascend-rl kv_migration: export %s was written by an engine at "
+                        "tensor_parallel_size=%d, pipeline_parallel_size=%d; this engine runs "
+                        "tensor_parallel_size=%d, pipeline_parallel_size=%d; re-prefilling %s",
+                        params.load_key, header.tp_size, header.pp_size, self.tp_size,
+                        self.pp_size, request.request_id)
+            header = None
+        elif header is not None and header.block_size != self.block_size:
+            log.warning("ascend-rl kv_migration: export %s has block size %d, this engine %d; "
+                        "re-prefilling", params.load_key, header.block_size, self.block_size)
+            header = None
+        if header is None:
             self._matched.pop(request.request_id, None)
             return 0, False
         prompt = list(request.prompt_token_ids or [])
@@ -365,7 +569,8 @@ class MigrationKVConnector(KVConnectorBase_V1):
             # nothing computed yet (still queued): an empty export tells the client at once
             # that the destination prefills (instead of waiting for one that never comes)
             try:
-                self.store.write(params.export_key, ExportHeader([], self.block_size, {}), {})
+                self.store.write_empty(params.export_key, ExportHeader(
+                    [], self.block_size, {}, self.tp_size, self.pp_size))
             except Exception as exc:  # noqa: BLE001 - the client times out and re-prefills
                 log.warning("ascend-rl kv_migration: empty export %s failed: %s", params.export_key, exc)
             return False, None
@@ -421,18 +626,25 @@ class MigrationKVConnector(KVConnectorBase_V1):
         try:
             index = torch.tensor(job.block_ids, dtype=torch.long)
             tensors = {name: t.index_select(dim, index).clone() for name, (t, dim) in self._kv.items()}
-            self.store.write(job.key, ExportHeader(job.tokens, self.block_size, self._layouts()),
-                             tensors)
+            self.store.write(job.key, ExportHeader(job.tokens, self.block_size, self._layouts(),
+                                                   self.tp_size, self.pp_size, self.tp_rank,
+                                                   self.pp_rank), tensors)
         except Exception as exc:  # noqa: BLE001 - no export: the destination re-prefills
             log.warning("ascend-rl kv_migration: exporting %s failed (%s); its destination will "
                         "re-prefill", job.request_id, exc)
         self._sent.add(job.request_id)   # the blocks are free either way
 
     def _load(self, job: LoadJob) -> None:
-        found = self.store.read(job.key)
+        found = self.store.read(job.key, self.tp_rank, self.pp_rank)
         if found is None:
-            raise FileNotFoundError(f"export {job.key} is gone")
+            raise FileNotFoundError(f"export {job.key}: the part of tp rank {self.tp_rank}, pp "
+                                    f"rank {self.pp_rank} is gone")
         header, tensors = found
+        if (header.tp_size, header.pp_size, header.tp_rank, header.pp_rank) != \
+                (self.tp_size, self.pp_size, self.tp_rank, self.pp_rank):
+            raise ValueError(f"export {job.key}: part of tp {header.tp_rank}/{header.tp_size}, pp "
+                             f"{header.pp_rank}/{header.pp_size}; this worker is tp "
+                             f"{self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}")
         if header.layouts != self._layouts():
             raise ValueError(f"export {job.key} has KV layout {header.layouts}, this engine "
                              f"{self._layouts()}")

@@ -668,8 +668,11 @@ async def _drop_when_written(store: KVExportStore, key: str, timeout_s: float,
     (the export that hop loaded): the engine core has finished the hop by the time it writes
     ``key``, so nothing loads ``then`` any more."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not store.delete(key):
+    # complete first (every TP/PP rank's part: deleting as soon as any part shows would
+    # race the ranks still writing), then gone; at the deadline whatever parts came
+    while time.monotonic() < deadline and not store.exists(key):
         await asyncio.sleep(0.05)
+    store.delete(key)
     if then is not None:
         store.delete(then)
 
