@@ -39,7 +39,9 @@ ENABLE = flags.define(
 GROUP = flags.define(
     "ASCEND_RL_SAM_GROUP", "bool", True,
     "Group-aware drafting: requests with identical prompt token ids (n>1 children, GRPO "
-    "rollouts) share one automaton and draft from each other's generated text.", feature="sam")
+    "rollouts) share one automaton and draft from each other's generated text (with the "
+    "draft-length rule on, a request whose group has other live members also keeps an "
+    "automaton of its own text, a source of its own).", feature="sam")
 MIN_MATCH = flags.define(
     "ASCEND_RL_SAM_MIN_MATCH", "int", 1,
     "Minimum length of the matched suffix before SAM proposes a draft (confidence gate).",
@@ -80,13 +82,16 @@ HISTORY_PER_PROMPT = flags.define(
     "on the reference machine, inside that step).",
     minimum=1, maximum=4096, feature="sam")
 TOKEN_COST = flags.define(
-    "ASCEND_RL_SAM_TOKEN_COST", "float", 0.06,
+    "ASCEND_RL_SAM_TOKEN_COST", "float", 0.07,
     "Draft only what will be accepted: the cost of verifying one draft token in a "
     "memory-bound decode step, in accepted tokens. A draft token is proposed only while the "
     "estimated probability that it and every token before it are accepted (learned online "
-    "per matched length, previous outcome and draft position) is at least the step's cost, "
-    "which rises linearly from this value to 1 at ASCEND_RL_SAM_COMPUTE_BOUND_BATCH. "
-    "0: every candidate up to k is drafted. ASCEND_RL_SAM_MIN_MATCH, ASCEND_RL_SAM_ADAPTIVE "
+    "per source, matched length, previous outcome and draft position) is at least the step's "
+    "cost, which rises linearly from this value to 1 at ASCEND_RL_SAM_COMPUTE_BOUND_BATCH; "
+    "and each step drafts from the source (the request's group, its own text, the "
+    "cross-prompt automaton) whose candidate that estimate values most, in expected accepted "
+    "tokens less verification. 0: every candidate up to k is drafted, from the group's "
+    "automaton, else the cross-prompt one. ASCEND_RL_SAM_MIN_MATCH, ASCEND_RL_SAM_ADAPTIVE "
     "and ASCEND_RL_SAM_BATCH_THRESHOLD still apply first, as overrides.",
     minimum=0.0, maximum=1.0, feature="sam")
 COMPUTE_BOUND_BATCH = flags.define(
@@ -97,10 +102,12 @@ COMPUTE_BOUND_BATCH = flags.define(
     minimum=1, feature="sam")
 CROSS_PROMPT_TOKENS = flags.define(
     "ASCEND_RL_SAM_CROSS_PROMPT_TOKENS", "int", 1 << 20,
-    "Cross-prompt automaton: every request's text (live, and finished until it is replaced) "
-    "also goes into one automaton shared by all prompts, which drafts for a request only when "
-    "its own (group's) automaton has no candidate -- a token its group never saw, or saw "
-    "only at a level sibling's end -- like the global tree of vLLM's suffix method. When it "
+    "Cross-prompt automaton: every request's response (live, and finished until it is "
+    "replaced; prompts stay in their own automata) also goes into one automaton shared by all "
+    "prompts, like the global tree of vLLM's suffix method. It drafts for a request when its candidate is worth more than the request's "
+    "group's by the draft-length rule's acceptance estimate (ASCEND_RL_SAM_TOKEN_COST > 0), "
+    "and whenever the group has no candidate (a token its group never saw, or saw only at a "
+    "level sibling's end). When it "
     "holds this many tokens, or reaches its automaton's id limit (about 3 million tokens), it "
     "is replaced by a fresh one (55-60 bytes per token measured; default 1,048,576 tokens, "
     "about 60 MiB). 0: off.",

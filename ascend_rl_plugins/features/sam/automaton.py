@@ -53,9 +53,10 @@ a speculative replay: see ``benchmarks/bench_sam.py``.) Appending is amortized O
 drafting O(k). When the source occurrence overlaps the end of the member's own text (a
 loop), the draft continues periodically.
 
-Cross-prompt automaton (a drafter's option): one more automaton gets every request's text
-and drafts only for a request whose own (group's) automaton has no candidate, like the
-global tree of vLLM's ``suffix`` method; see ``_rows_step``.
+Sources (a drafter's options): one more automaton gets every request's response (the
+cross-prompt automaton, like the global tree of vLLM's ``suffix`` method), and a request whose
+group has other live members keeps one of its own text; each step the candidate the
+acceptance table values most is drafted (issue 46); see ``_rows_step``.
 """
 
 from __future__ import annotations
@@ -95,11 +96,20 @@ B_DEND, B_DLEN, B_ACC, B_HEAD = 7, 8, 9, 10
 # agreed with
 B_PREV, B_DCELL, B_NEXTC, B_DAGREE = 11, 12, 13, 14
 # ... and its member in the drafter's cross-prompt automaton (-1: none), which gets the same
-# tokens and drafts for it when its own automaton has no candidate (see ``_rows_step``)
+# tokens and is one of its draft sources (see ``_rows_step``)
 B_CROSS = 15
-MEMBER_COLS = 16
-_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1, -1)  # (automaton filled in) alive
-_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1, -1)
+# ... and the candidate its pending draft was chosen over (the other source's, see
+# ``_rows_step``): its length (0: none), table cell and corroboration, and its first
+# ALT_TOKENS tokens, which the tokens that arrive settle as well, so that the table learns
+# both sources' acceptance on the steps where they compete, not only the chosen one's
+B_ALTN, B_ALTCELL, B_ALTAGREE, B_ALTTOK = 16, 17, 18, 19
+ALT_TOKENS = 8
+# ... and its member in an automaton of its own text alone (-1: none), which a request whose
+# group has other live members drafts from as a third source (see ``_rows_step``)
+B_SOLO = B_ALTTOK + ALT_TOKENS
+MEMBER_COLS = B_SOLO + 1
+_FRESH_MEMBER = (0, 0, -1, 0, 1, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1, -1, 0, 0, 0) + (0,) * ALT_TOKENS + (-1,)  # (automaton filled in) alive
+_DEAD_MEMBER = (0, 0, -1, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, -1, -1, 0, 0, 0) + (0,) * ALT_TOKENS + (-1,)
 P_NONE, P_FULL, P_PARTIAL, P_REJECTED = 0, 1, 2, 3
 
 SMALL_DEGREE = 4
@@ -113,8 +123,13 @@ _HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 # tokens the first occurrence's continuation agrees with (-1: no other occurrence to ask),
 # then the draft
 OUT_N, OUT_MATCH, OUT_BOUND, OUT_AGREE, OUT_DRAFT = 0, 1, 2, 3, 4
-# OUT_AGREE of a draft taken from the cross-prompt automaton (its own acceptance-table class)
-AGREE_CROSS = -2
+# where a draft comes from: the request's own automaton (its group's, history included), the
+# cross-prompt automaton, the automaton of the request's own text alone. A draft's class in the
+# acceptance table is SRC_STRIDE * source + 1 + a, a being how many of its leading tokens an
+# older occurrence in the same automaton agreed with (-1: no other occurrence to ask)
+SRC_GROUP, SRC_CROSS, SRC_SOLO = 0, 1, 2
+N_SOURCES = 3
+SRC_STRIDE = 1 << 20
 # ingest return codes (>= 0: the automaton whose segments must grow); CROSS_FULL: the step is
 # done and the cross-prompt automaton reached its budget (or its id limit)
 DONE, BAD_TOKEN, DEAD_MEMBER, BAD_OFFSETS, CROSS_FULL = -1, -2, -3, -4, -5
@@ -129,7 +144,7 @@ D_MIN_MATCH, D_RECENT_LEN, D_FROM_FIRST, D_ADAPTIVE = 9, 10, 11, 12
 D_RESUME = 13  # 3 slots: member, token, hash slots the automaton's segment must grow to
 D_HTOP = 16  # first free slot at the top of the hash arena
 D_HWASTE = 17  # hash arena slots in holes left by moved or freed segments
-D_CROSS_PENDING = 18  # 1: the resume entry's own member is done, its cross member is not
+D_PHASE = 18  # of the resume entry: 1: its own member is done; 2: its cross member too; + 4: it had new tokens
 D_CROSS_AID, D_CROSS_BUDGET = 19, 20  # the cross-prompt automaton (-1: none), its token budget
 D_SIZE = 21
 # a drafter's tally (``_rows_step``): settings and counters it keeps across pool restarts;
@@ -141,9 +156,8 @@ T_MAX_LEN, T_PROPOSALS, T_DRAFTED, T_ACCEPTED, T_VERIFIED, T_COST = 0, 1, 2, 3, 
 T_CROSS_PROPOSALS = 6  # drafts taken from the cross-prompt automaton
 T_TABLE = 7
 N_LBUCKETS, N_PREV, N_JBUCKETS = 7, 16, 7  # L: 1, 2, 3-4, ..., 33+; position: 0, 1, 2, 3-4, ..., 17+
-# no older occurrence to ask / it agrees up to this token / it disagreed before / the draft
-# comes from the cross-prompt automaton (the request's own automaton had no candidate)
-N_CORR = 4
+# per source: no older occurrence to ask / it agrees up to this token / it disagreed before
+N_CORR = 3 * N_SOURCES
 T_SIZE = T_TABLE + 2 * N_LBUCKETS * N_PREV * N_CORR * N_JBUCKETS
 COST_SCALE = 1_000_000
 TABLE_PRIOR = (2, 1)  # (reached, accepted) of a cell never observed: an estimate of 1/2
@@ -640,13 +654,19 @@ def _log_bucket(x, n_buckets):
 
 
 @njit(cache=True, inline="always")
-def _table_slot(cell, agree, j):
+def _class_of(source, agree):
+    """A draft's class: its source (SRC_*) and how many of its leading tokens an older
+    occurrence in the same automaton corroborated (``agree``, -1: none to ask)."""
+    return SRC_STRIDE * source + 1 + agree
+
+
+@njit(cache=True, inline="always")
+def _table_slot(cell, klass, j):
     """(reached, accepted) of draft position ``j`` for a draft of ``cell`` (L bucket and
-    previous outcome) whose leading ``agree`` tokens an older occurrence corroborated."""
-    if agree == AGREE_CROSS:
-        corr = 3
-    else:
-        corr = 0 if agree < 0 else (1 if j < agree else 2)
+    previous outcome) and class ``klass`` (see ``_class_of``)."""
+    source = klass // SRC_STRIDE
+    agree = klass - SRC_STRIDE * source - 1
+    corr = 3 * source + (0 if agree < 0 else (1 if j < agree else 2))
     return T_TABLE + 2 * ((cell * N_CORR + corr) * N_JBUCKETS + _log_bucket(j + 1, N_JBUCKETS))
 
 
@@ -676,6 +696,8 @@ def _settle(members, m, tally, token_ids, row, start, end):
     if dlen == 0:
         # a draft cut to nothing: its first candidate against the token that came instead
         # (so a request whose drafts stopped paying can win them back)
+        if members[m, B_NEXTC] < 0:  # pending only for the candidate it was chosen over
+            return
         held = token_ids[row, start] == members[m, B_NEXTC]
         _observe(tally, members[m, B_DCELL], members[m, B_DAGREE], 0, held)
         _remember(members, m, P_FULL if held else P_REJECTED)
@@ -701,19 +723,53 @@ def _settle(members, m, tally, token_ids, row, start, end):
 
 
 @njit(cache=True)
+def _settle_alternative(members, m, tally, token_ids, row, start, end):
+    """The candidate the pending draft was chosen over, against the tokens that arrived (the
+    accepted draft tokens and the bonus: as far as they go, the text it would have met)."""
+    n = min(members[m, B_ALTN], end - start)
+    members[m, B_ALTN] = 0
+    cell, agree = members[m, B_ALTCELL], members[m, B_ALTAGREE]
+    for j in range(n):
+        held = token_ids[row, start + j] == members[m, B_ALTTOK + j]
+        _observe(tally, cell, agree, j, held)
+        if not held:
+            break
+
+
+@njit(cache=True)
 def _worth_drafting(tally, cell, agree, n, cost):
     """How many of ``n`` candidate tokens to draft: while the estimated probability that
     every token so far is accepted (the product of the cell's per-position acceptance rates)
     is at least this step's ``cost`` of verifying one more token."""
+    return _draft_value(tally, cell, agree, n, cost)[0]
+
+
+@njit(cache=True)
+def _draft_value(tally, cell, agree, n, cost):
+    """(how many of ``n`` candidate tokens to draft, what drafting them is worth): the draft is
+    cut as ``_worth_drafting`` says, and its worth is the expected number of accepted tokens
+    (the sum over its positions of the estimated probability that every token up to there
+    is accepted) less what verifying its tokens costs (``cost`` each, in accepted tokens
+    x COST_SCALE). Every kept token adds at least 0: a draft's worth is >= 0."""
     keep = 0
     prob = 1.0
+    worth = 0.0
+    price = cost / COST_SCALE
     while keep < n:
         t = _table_slot(cell, agree, keep)
         prob *= tally[t + 1] / max(tally[t], 1)
         if prob * COST_SCALE < cost:
             break
+        worth += prob - price
         keep += 1
-    return keep
+    return keep, worth
+
+
+@njit(cache=True)
+def _candidate_value(tally, out, r, klass, prev, cost):
+    """What the candidate in ``out[r]`` of class ``klass`` is worth (see ``_draft_value``)."""
+    cell = _log_bucket(out[r, OUT_BOUND], N_LBUCKETS) * N_PREV + prev
+    return cell, _draft_value(tally, cell, klass, out[r, OUT_N], cost)[1]
 
 
 @njit(cache=True)
@@ -729,17 +785,21 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     acceptance table. With ``tally[T_COST]`` > 0 each new draft is cut where the table's
     estimate that all its tokens so far are accepted falls below that cost.
 
-    A member with a cross-prompt member (``B_CROSS``) feeds it the same tokens right after
-    its own; when its own automaton had no candidate (OUT_BOUND 0: a token its group never
-    saw, or saw only at a level sibling's end) the cross-prompt automaton's draft is taken,
-    estimated in its own table class (``AGREE_CROSS``): where the group knows the text its
-    recency order stays in charge, and text that only other prompts wrote fills the gaps.
+    Sources: a member with a cross-prompt member (``B_CROSS``) feeds it the same tokens right
+    after its own, and one with a member of its own (``B_SOLO``: a request whose group has other
+    live members) feeds that one too; each drafts into a scratch row (b, b + 1). With the
+    draft-length rule on (``tally[T_COST]`` > 0) the candidate worth most by the acceptance
+    table is drafted (expected accepted tokens less verification, each source in its own
+    table classes), and the runner-up is settled against the tokens that arrive as well, so
+    every source keeps learning where they compete. With it off, the own automaton's candidate
+    is drafted, else (a token its group never saw, or saw only at a level sibling's end) the
+    cross-prompt automaton's.
 
     Returns DONE, CROSS_FULL (done; the cross-prompt automaton reached its budget), DEAD_MEMBER
     / BAD_TOKEN / BAD_OFFSETS (``desc`` resume slot 0 says which entry), or the automaton whose
     hash segment must grow (then call again: members already settled and ingested are not
-    redone, since a member's start is its token count; when the growth was the cross-prompt
-    member's, ``desc[D_CROSS_PENDING]`` keeps the entry's own draft from being redone).
+    redone, since a member's start is its token count; when the growth was one of the entry's
+    other members', ``desc[D_PHASE]`` keeps its parts already done from being redone).
     """
     meta = carray(_i64_at(desc[D_META]), (desc[D_META + 1], META_COLS))
     members = carray(_i64_at(desc[D_MEMBERS]), (desc[D_MEMBERS + 1], MEMBER_COLS))
@@ -753,8 +813,9 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
     cost = tally[T_COST]
     need = np.zeros(3, np.int64)
     b = batch.shape[0]
-    if out.shape[0] < b + 1 or out.shape[1] < OUT_DRAFT + k or k < 0:
-        return BAD_OFFSETS  # row b: the cross-prompt automaton's scratch row
+    if out.shape[0] < b + 2 or out.shape[1] < OUT_DRAFT + k or k < 0:
+        return BAD_OFFSETS  # rows b, b + 1: the cross-prompt and own-text candidates' scratch
+    xr, sr = b, b + 1
     for i in range(resume[0], b):
         m = batch[i, 0]
         row = batch[i, 1]
@@ -769,52 +830,99 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
         if end > token_ids.shape[1]:
             resume[0] = i
             return BAD_OFFSETS
-        if desc[D_CROSS_PENDING] and i == resume[0]:
-            # resumed after the cross-prompt automaton's hash grew: this member's own part
-            # (settled, ingested, drafted into out[i]) is done
-            desc[D_CROSS_PENDING] = 0
-        else:
+        phase = 0
+        fresh = end > start  # new tokens: a draft is made (none without)
+        if desc[D_PHASE] and i == resume[0]:
+            # resumed after another member's hash grew: the entry's parts before are done
+            phase = desc[D_PHASE] & 3
+            fresh = desc[D_PHASE] >= 4
+            desc[D_PHASE] = 0
+        if phase == 0:
+            out[xr, OUT_N] = 0
+            out[sr, OUT_N] = 0
             if members[m, B_DEND] >= 0 and end > start:
                 # settle the previous draft once tokens arrived (then it is cleared, so a call
-                # resumed after a hash growth does not count it twice)
+                # resumed after a hash growth does not count it twice), and the candidate it
+                # was chosen over
                 if members[m, B_DEND] == start:
                     _settle(members, m, tally, token_ids, row, start, end)
+                    if members[m, B_ALTN] > 0:
+                        _settle_alternative(members, m, tally, token_ids, row, start, end)
                 members[m, B_DEND] = -1
+                members[m, B_ALTN] = 0
             code = _ingest_member(meta, members, HA, htop, m, token_ids[row, :end], start, k,
                                   min_match, recent_len, from_first, adaptive, out, i, need,
                                   resume)
             if code != DONE:
                 return code
+        own_bound = out[i, OUT_BOUND]
         x = members[m, B_CROSS]
-        if x >= 0 and members[x, B_ALIVE] != 0 and members[x, B_NTOK] < end:
-            # The cross-prompt automaton holds every request's text: it gets the same tokens,
-            # and drafts (into the scratch row b) only when the request's own automaton had
-            # no candidate at all -- a token its group never saw, or seen only at a level
-            # sibling's end. Its draft is estimated in its own table class (AGREE_CROSS).
-            kx = k if out[i, OUT_BOUND] == 0 else 0
+        if phase <= 1 and x >= 0 and members[x, B_ALIVE] != 0 and members[x, B_NTOK] < end:
+            # the cross-prompt automaton holds every request's response: it gets the same tokens
+            kx = k if (own_bound == 0 or cost > 0) else 0
             code = _ingest_member(meta, members, HA, htop, x, token_ids[row, :end],
                                   members[x, B_NTOK], kx, min_match, recent_len, from_first,
-                                  adaptive, out, b, need, resume)
+                                  adaptive, out, xr, need, resume)
             if code != DONE:
                 resume[0] = i
                 if code >= 0:
-                    desc[D_CROSS_PENDING] = 1
+                    desc[D_PHASE] = 1 + 4 * fresh
                 return code
-            if kx > 0 and out[b, OUT_N] > 0:
-                nx = out[b, OUT_N]
+        y = members[m, B_SOLO]
+        if y >= 0 and members[y, B_ALIVE] != 0 and members[y, B_NTOK] < end:
+            # the request's own text alone: where its group's recency order puts a sibling's
+            # text first, this is the most recent occurrence in its own
+            code = _ingest_member(meta, members, HA, htop, y, token_ids[row, :end],
+                                  members[y, B_NTOK], k if cost > 0 else 0, min_match, recent_len,
+                                  from_first, adaptive, out, sr, need, resume)
+            if code != DONE:
+                resume[0] = i
+                if code >= 0:
+                    desc[D_PHASE] = 2 + 4 * fresh
+                return code
+        # the candidates: own automaton (row i), cross-prompt (row xr), own text (row sr)
+        klass = _class_of(SRC_GROUP, out[i, OUT_AGREE])
+        if fresh and (own_bound > 0 or out[xr, OUT_N] > 0 or out[sr, OUT_N] > 0):
+            best, best_class, best_cell, best_worth = -1, 0, 0, -1.0
+            alt, alt_class, alt_cell, alt_worth = -1, 0, 0, -1.0
+            prev = members[m, B_PREV]
+            for src in (SRC_GROUP, SRC_SOLO, SRC_CROSS):  # a tie goes to the earlier one
+                r = i if src == SRC_GROUP else (xr if src == SRC_CROSS else sr)
+                if (out[r, OUT_BOUND] if src == SRC_GROUP else out[r, OUT_N]) <= 0:
+                    continue
+                c = _class_of(src, out[r, OUT_AGREE])
+                if cost > 0:
+                    cell, worth = _candidate_value(tally, out, r, c, prev, cost)
+                else:  # the rule off: the group's candidate, else the cross-prompt one's
+                    cell, worth = 0, 1.0 if src == SRC_GROUP else 0.0
+                if worth > best_worth:
+                    alt, alt_class, alt_cell, alt_worth = best, best_class, best_cell, best_worth
+                    best, best_class, best_cell, best_worth = r, c, cell, worth
+                elif worth > alt_worth:
+                    alt, alt_class, alt_cell, alt_worth = r, c, cell, worth
+            if cost > 0 and alt >= 0:
+                # the runner-up is settled too when the tokens arrive
+                na = min(out[alt, OUT_N], ALT_TOKENS)
+                members[m, B_ALTN] = na
+                members[m, B_ALTCELL] = alt_cell
+                members[m, B_ALTAGREE] = alt_class
+                for t in range(na):
+                    members[m, B_ALTTOK + t] = out[alt, OUT_DRAFT + t]
+            klass = best_class
+            if best != i:
+                nx = out[best, OUT_N]
                 out[i, OUT_N] = nx
-                out[i, OUT_BOUND] = out[b, OUT_BOUND]
-                out[i, OUT_AGREE] = AGREE_CROSS
+                out[i, OUT_BOUND] = out[best, OUT_BOUND]
                 for t in range(nx):
-                    out[i, OUT_DRAFT + t] = out[b, OUT_DRAFT + t]
+                    out[i, OUT_DRAFT + t] = out[best, OUT_DRAFT + t]
         n = out[i, OUT_N]
         members[m, B_NEXTC] = -1
         if n > 0:
             cell = (_log_bucket(out[i, OUT_BOUND], N_LBUCKETS) * N_PREV + members[m, B_PREV])
             members[m, B_DCELL] = cell
-            members[m, B_DAGREE] = out[i, OUT_AGREE]
+            members[m, B_DAGREE] = klass
             if cost > 0:
-                keep = _worth_drafting(tally, cell, out[i, OUT_AGREE], n, cost)
+                keep = _worth_drafting(tally, cell, klass, n, cost)
                 if keep < n:
                     members[m, B_NEXTC] = out[i, OUT_DRAFT + keep]
                     n = keep
@@ -825,14 +933,16 @@ def _rows_step(desc, batch, token_ids, num_tokens, k, tally):
             n = max(max_len - end - 1, 0)
             out[i, OUT_N] = n
             members[m, B_NEXTC] = -1
+            members[m, B_ALTN] = 0
         if n > 0:
             members[m, B_DEND] = end
             members[m, B_DLEN] = n
             tally[T_PROPOSALS] += 1
             tally[T_DRAFTED] += n
-            if out[i, OUT_AGREE] == AGREE_CROSS:
+            if klass // SRC_STRIDE == SRC_CROSS:
                 tally[T_CROSS_PROPOSALS] += 1
-        elif members[m, B_NEXTC] >= 0:  # cut to nothing by the estimate: settled as a shadow
+        elif end > start and (members[m, B_NEXTC] >= 0 or members[m, B_ALTN] > 0):
+            # cut to nothing by the estimate: settled as a shadow
             members[m, B_DEND] = end
             members[m, B_DLEN] = 0
     resume[0] = 0
@@ -926,6 +1036,20 @@ def compile_step_kernel() -> None:
     with slow_step("ascend-rl sam: compiling the drafter's numba kernel (first use here; numba caches it "
                    "for later runs)"):
         _entry(1)
+        _warm_up()
+
+
+def _warm_up() -> None:
+    """Run every compiled function a drafter calls once, on a throwaway pool: each loads from
+    numba's cache at its first call (5-10 ms apiece on the reference machine), which would
+    otherwise land inside the decode step that first seeds history (``_ingest_step``), grows
+    the hash arena from Python (``_move_hash``) or reads a response back (``_linked_text``)."""
+    toks = (np.arange(4096, dtype=np.int64) * 7919 % 509).astype(np.int32)  # many branching states
+    pool = AutomatonPool()
+    pool.extend_one(pool.new_member(pool.new_automaton()), toks, k=3)
+    batch = np.array([[pool.new_member(pool.new_automaton()), 0]], np.int64)
+    pool.ingest_rows(batch, toks[None, :], np.array([toks.size], np.int32), 3, fresh_tally())
+    pool.member_text(int(batch[0, 0]))
 
 
 def _as_1d(x, dtype):
@@ -1097,12 +1221,21 @@ class AutomatonPool:
 
     def link_cross(self, member: int, automaton: int, from_token: int = 0) -> int:
         """Give ``member`` a member of ``automaton`` (a cross-prompt automaton) that gets the
-        same tokens from its token ``from_token`` on (0: all of them) and drafts for it when
-        its own automaton has no candidate. Returns that member."""
+        same tokens from its token ``from_token`` on (0: all of them; a drafter passes the
+        prompt's length: the cross-prompt automaton holds responses) and is one of its draft
+        sources. Returns that member."""
         x = self.new_member(automaton)
         self.members[x, B_NTOK] = from_token
         self.members[member, B_CROSS] = x
         return x
+
+    def link_solo(self, member: int) -> int:
+        """Give ``member`` a member of a fresh automaton that gets the same tokens (all of
+        them, from its first: the next step reads them from the member's token row) and holds
+        nothing else: the member's own text as a source of its own. Returns that member."""
+        y = self.new_member(self.new_automaton())
+        self.members[member, B_SOLO] = y
+        return y
 
     def release_member(self, member: int, *, keep_text: bool = False) -> None:
         """Forget a member; its automaton is freed with its last member unless ``keep_text``."""
@@ -1166,8 +1299,8 @@ class AutomatonPool:
             raise ValueError(f"k (draft length) must be an int >= 0, got {k!r}")
         k = int(k)
         out = self._out
-        if out.shape[0] < b + 1 or out.shape[1] < OUT_DRAFT + k:  # + 1: a scratch row
-            self._out = np.zeros((max(b + 1, 2 * out.shape[0]), OUT_DRAFT + max(k, out.shape[1] - OUT_DRAFT)),
+        if out.shape[0] < b + 2 or out.shape[1] < OUT_DRAFT + k:  # + 2: scratch rows
+            self._out = np.zeros((max(b + 2, 2 * out.shape[0]), OUT_DRAFT + max(k, out.shape[1] - OUT_DRAFT)),
                                  np.int32)  # clears the cached views
             out = self._out
         if len(self._views) > 256:
@@ -1186,7 +1319,7 @@ class AutomatonPool:
             return
         i, j = int(resume[0]), int(resume[1])
         resume[:] = 0
-        self._desc[D_CROSS_PENDING] = 0
+        self._desc[D_PHASE] = 0
         if a == BAD_TOKEN:
             raise ValueError(f"token ids must be in [0, {1 << TOKEN_BITS}); got {token_at(i, j)} "
                              f"for member {member_at(i)}")

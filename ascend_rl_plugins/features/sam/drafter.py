@@ -17,10 +17,12 @@ rollouts sent as separate requests with the same prompt) share one generalized a
 each drafts from its own text and from every sibling's text, live or finished. A group's
 memory is released when its last member finishes.
 
-Cross-prompt automaton (``cross_prompt_tokens``): where a request's own automaton has no
-candidate (a token its group never wrote, or wrote only at a level sibling's end), the draft
-comes from one automaton that holds every request's text; measured on the benchmark, this
-fills the steps where SAM drafted nothing and suffix's global tree did (see the README).
+Sources: besides its group's automaton, a request drafts from one automaton that holds every
+request's response (``cross_prompt_tokens``, like suffix's global tree) and, while its group
+has other live members, from one of its own text alone. With the draft-length rule on
+(``token_cost`` > 0) each step drafts the candidate the acceptance table values most (issue 46:
+a short match in the group's text no longer wins over a long one in other prompts' text); with
+it off, the group's candidate, else the cross-prompt one (see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Callable
 
 import numpy as np
 
-from .automaton import (B_ACC, B_CROSS, B_NTOK, COST_SCALE, M_ALIVE, T_ACCEPTED, T_COST,
-                        T_CROSS_PROPOSALS, T_DRAFTED, T_MAX_LEN, T_PROPOSALS, T_VERIFIED,
-                        AutomatonPool, fresh_tally)
+from .automaton import (B_ACC, B_CROSS, B_NTOK, B_SOLO, COST_SCALE, M_ALIVE, M_MEMBERS,
+                        T_ACCEPTED, T_COST, T_CROSS_PROPOSALS, T_DRAFTED, T_MAX_LEN, T_PROPOSALS,
+                        T_VERIFIED, AutomatonPool, fresh_tally)
 from .history import ResponseHistory
 
 # how many finished requests keep their accepted-token count in ``stats.per_request_accepted``
@@ -156,8 +158,9 @@ class SamDrafter:
     automaton of that prompt's later requests; ``token_cost`` (0: draft all k) and
     ``compute_bound_batch``: the draft-length rule (see :func:`verification_cost`);
     ``cross_prompt_tokens`` (0: off): an automaton shared by all prompts, holding every
-    request's text (finished ones' too) up to that many tokens (then a fresh one replaces
-    it), drafts for a request whose own automaton has no candidate. The flags of the ``sam``
+    request's response (finished ones' too) up to that many tokens (then a fresh one replaces
+    it), drafts for a request where the acceptance table values its candidate most (the rule
+    on), or where the request's own automaton has no candidate. The flags of the ``sam``
     feature map one to one onto these arguments (see ``vllm_proposer.build_drafter``).
 
     The history keeps only responses of requests that finished: named as finished to
@@ -183,6 +186,7 @@ class SamDrafter:
         self.member_of: dict[str, int] = {}
         self.group_of: dict[str, bytes | str] = {}
         self.groups: dict[bytes | str, int] = {}  # group key -> automaton id
+        self._group_reqs: dict[bytes | str, list] = {}  # group key -> its live requests (solo sources)
         # finished responses by prompt (None: off); a request's prompt bytes and length
         self.history = (ResponseHistory(history_tokens, history_per_prompt)
                         if history_tokens > 0 else None)
@@ -259,12 +263,29 @@ class SamDrafter:
         m = self.pool.new_member(a)
         self.member_of[req_id] = m
         self.group_of[req_id] = key
+        if self.group and self.token_cost > 0:
+            self._link_solo(req_id, key, a)
         if self.cross_prompt_tokens:
             if self._cross < 0:
                 self._cross = self.pool.new_automaton()
                 self.pool.set_cross(self._cross, self.cross_prompt_tokens, self._rotate_cross)
-            self.pool.link_cross(m, self._cross)
+            self.pool.link_cross(m, self._cross, from_token=0 if prompt is None else int(prompt.size))
         return m
+
+    def _link_solo(self, req_id: str, key, automaton: int) -> None:
+        """A request whose group has other live members also drafts from its own text alone
+        (its group's recency order may put a sibling's text first where its own would be
+        right): each such member gets an automaton of its own text, which learns it from the
+        request's token row at its next step. With the draft-length rule on only (the table
+        chooses between the sources); a group's single live member needs none (its own text is
+        the most recent in the group's automaton)."""
+        live = self._group_reqs.setdefault(key, [])
+        live.append(req_id)
+        if self.pool.meta[automaton, M_ALIVE] and self.pool.meta[automaton, M_MEMBERS] >= 2:
+            for r in live:
+                m = self.member_of[r]
+                if self.pool.members[m, B_SOLO] < 0:
+                    self.pool.link_solo(m)
 
     def _rotate_cross(self) -> None:
         """The cross-prompt automaton reached its budget: a fresh one replaces it (its memory
@@ -299,6 +320,14 @@ class SamDrafter:
         x = int(self.pool.members[m, B_CROSS])
         if x >= 0:  # its text stays in the cross-prompt automaton for later requests
             self.pool.release_member(x, keep_text=True)
+        y = int(self.pool.members[m, B_SOLO])
+        if y >= 0:
+            self.pool.release_member(y)
+        live = self._group_reqs.get(key)
+        if live is not None:
+            live.remove(req_id)
+            if not live:
+                del self._group_reqs[key]
         if prompt is not None:
             self._keep_if_finished(m, prompt, finished)
         self._key_ids = []  # the cached batch may hold this member

@@ -606,8 +606,8 @@ def test_with_prompts_decoded_together_drafts_are_the_groups_else_the_cross_prom
         answers, siblings, k, min_match, adaptive, recent_len):
     """Several prompts, each with 1-3 siblings writing the same answer, all decoded in one
     batch (greedy verification). Every draft is the brute force's over the request's own
-    group when that has a candidate, else the brute force's over every request's text in
-    the order the batch fed it (the cross-prompt automaton); with it off, the former only."""
+    group when that has a candidate, else the brute force's over every request's response
+    in the order the batch fed it (the cross-prompt automaton, which holds no prompt)."""
     rows = []  # (prompt index, text)
     for p, ans in enumerate(answers):
         prompt = [20 + p, 30 + p]
@@ -631,11 +631,13 @@ def test_with_prompts_decoded_together_drafts_are_the_groups_else_the_cross_prom
         for j, i in enumerate(live):
             p, text = rows[i]
             own = cross = []
-            for t in text[seen[i]:num[i]]:
+            for at in range(seen[i], num[i]):
+                t = text[at]
                 _, _, own = groups[p].append(i, t, k, min_match, recent_len=recent_len,
                                              adaptive=adaptive)
-                _, _, cross = everyone.append(i, t, k, min_match, recent_len=recent_len,
-                                              adaptive=adaptive)
+                if at >= 2:  # the cross-prompt automaton gets responses only
+                    _, _, cross = everyone.append(i, t, k, min_match, recent_len=recent_len,
+                                                  adaptive=adaptive)
             seen[i] = num[i]
             got = drafts[j, :cnt[j]].tolist()
             assert got == (own or cross), (i, num[i], got, own, cross)
@@ -702,3 +704,125 @@ def test_the_cross_prompt_automaton_is_replaced_at_its_budget():
 def test_cross_prompt_flag_is_refused_by_name_when_out_of_range(monkeypatch):
     from ascend_rl_plugins.features.sam import CROSS_PROMPT_TOKENS
     _refused_by_name(monkeypatch, ((CROSS_PROMPT_TOKENS, "-1"), (CROSS_PROMPT_TOKENS, "lots")))
+
+
+# -- the candidate choice: the source worth most by the acceptance table ---------------------------
+
+def _greedy_request(d: SamDrafter, req_id: str, text, prompt_len: int) -> list:
+    """Decode ``text`` after its prompt as the only request, greedy verification (accepted draft
+    tokens plus one each step), then finish it; returns the drafts, one per step."""
+    tokens = matrix(text)
+    n, drafts = prompt_len + 1, []
+    while n < len(text):
+        d.retain_only([req_id])
+        draft = d.propose_rows([req_id], [0], tokens, counts(n), prompt_lens=counts(prompt_len)).get(0, [])
+        drafts.append(draft)
+        a = 0
+        while a < len(draft) and n + a < len(text) and draft[a] == text[n + a]:
+            a += 1
+        n += a + 1
+    d.retain_only([], finished=[req_id])
+    return drafts
+
+
+def test_a_long_cross_prompt_match_is_drafted_over_a_short_one_of_the_group_once_the_table_says_so():
+    """Issue 46: where a request's own (group's) automaton has a short match and the
+    cross-prompt automaton a long one, the draft comes from the source worth more by the
+    acceptance table, not from the group's whatever it is worth. Each round, request a_r
+    (prompt A_r) writes 5 fresh tokens w_r and a fresh text x_r, and finishes; request b_r,
+    whose prompt holds x_r's first token followed by a decoy and ends with w_r, then writes
+    x_r: at its first step its group's automaton continues the 1-token match (x_r[0]) into the
+    decoy, the cross-prompt one the 6-token match (w_r, x_r[0]) into x_r. The first round's
+    tie goes to the group; the table learns both candidates from it (the one not drafted is
+    settled too), and from then on the cross-prompt continuation is drafted. With the
+    draft-length rule off (token cost 0) the group's candidate keeps precedence."""
+    rng = np.random.default_rng(46)
+    for cost in (0.06, 0.0):
+        d = SamDrafter(3, group=True, cross_prompt_tokens=1 << 16, token_cost=cost)
+        first, decoys, truths = [], [], []
+        for r in range(6):
+            w = (2000 + 5 * r + np.arange(5)).tolist()
+            x = (1000 + 40 * r + rng.permutation(40)).tolist()  # text no earlier round wrote
+            _greedy_request(d, f"a{r}", [10 + 2 * r, 11 + 2 * r] + w + x, 2)
+            prompt = [500 + r, x[0], 999] + w
+            first.append(_greedy_request(d, f"b{r}", prompt + x, len(prompt))[0])
+            decoys.append([999] + w[:2])  # what follows x_r[0] in b_r's own text
+            truths.append(x[1:4])  # what follows (w_r, x_r[0]) in a_r's
+        if cost:
+            assert first[0] == decoys[0]  # the tie (both cells at their prior): the group's
+            assert first[1:] == truths[1:], first
+            assert d.stats.cross_proposals >= 5
+        else:
+            assert first == decoys  # the group's candidate, every round
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=2, max_size=3),
+       st.lists(st.integers(1, 3), min_size=3, max_size=3), st.integers(1, 4), st.integers(1, 6),
+       st.floats(0.01, 0.5))
+def test_with_the_draft_length_rule_every_draft_comes_from_one_of_the_sources_oracles(
+        answers, siblings, k, recent_len, cost):
+    """The same batches with the draft-length rule on, which picks the source worth most: every
+    draft is a prefix (the rule may cut it) of the brute force's over the request's group,
+    over its own text alone, or over every request's response (the cross-prompt automaton); a
+    request drafts only where one of them has a candidate."""
+    rows = []
+    for p, ans in enumerate(answers):
+        rows += [(p, [20 + p, 30 + p] + ans)] * siblings[p]
+    tokens = matrix(*[t for _, t in rows])
+    plens = counts(*[2] * len(rows))
+    d = SamDrafter(k, group=True, recent_len=recent_len, cross_prompt_tokens=1 << 16, token_cost=cost)
+    groups = [BruteForceGroup() for _ in answers]
+    solos = [BruteForceGroup() for _ in rows]
+    everyone = BruteForceGroup()
+    for i, (p, _) in enumerate(rows):
+        groups[p].add_member(i)
+        solos[i].add_member(i)
+        everyone.add_member(i)
+    seen = [0] * len(rows)
+    num = [3] * len(rows)
+    live = list(range(len(rows)))
+    while live:
+        drafts, cnt = d.propose_arrays([f"r{i}" for i in live], live, tokens,
+                                       counts(*[num[i] if i in live else 0 for i in range(len(rows))]),
+                                       prompt_lens=plens)
+        for j, i in enumerate(live):
+            p, text = rows[i]
+            want = [[], [], []]
+            for at in range(seen[i], num[i]):
+                want = [o.append(i, text[at], k, 1, recent_len=recent_len)[2]
+                        for o in (groups[p], solos[i]) + ((everyone,) if at >= 2 else ())]
+            seen[i] = num[i]
+            got = drafts[j, :cnt[j]].tolist()
+            assert any(w[:len(got)] == got for w in want if w) or not got, (i, num[i], got, want)
+            truth = text[num[i]:num[i] + k]
+            acc = 0
+            while acc < min(len(got), len(truth)) and got[acc] == truth[acc]:
+                acc += 1
+            num[i] = min(num[i] + acc + 1, len(text))
+        live = [i for i in live if num[i] < len(rows[i][1])]
+
+
+def test_own_text_automata_exist_while_a_group_has_several_live_members_and_go_with_them():
+    """With the draft-length rule on, a request whose group has other live members also
+    drafts from its own text alone: one more automaton per such request (the first member
+    gets its own when the second joins, and learns its text from its row), none for a
+    group's single member, and each goes when its request leaves."""
+    d = SamDrafter(3, group=True, token_cost=0.06)
+    a, b = PROMPT + A_OUT, PROMPT + A_OUT[:3]
+    tokens = matrix(a, b)
+    plens = counts(len(PROMPT), len(PROMPT))
+    d.propose_rows(["A"], [0], tokens, counts(len(a), 0), prompt_lens=plens)
+    assert d.pool.live_automata() == 1  # the group's; A alone needs no other
+    got = d.propose_rows(["A", "B"], [0, 1], tokens, counts(len(a), len(b)), prompt_lens=plens)
+    assert 0 not in got  # A had no new token: no draft (its own text was learned, not drafted from)
+    assert d.pool.live_automata() == 3  # the group's, A's own text, B's own text
+    solo_a = int(d.pool.members[d.member_of["A"], -1])
+    assert d.pool.member_text(solo_a).tolist() == a  # caught up from A's row
+    d.retain_only(["B"], finished=["A"])
+    assert d.pool.live_automata() == 2
+    d.retain_only([])
+    assert d.pool.live_automata() == 0
+    off = SamDrafter(3, group=True)  # the rule off: no own-text automata
+    off.propose_rows(["A", "B"], [0, 1], tokens, counts(len(a), len(b)), prompt_lens=plens)
+    assert off.pool.live_automata() == 1
