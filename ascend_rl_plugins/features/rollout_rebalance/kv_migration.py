@@ -154,6 +154,47 @@ PARTIAL_PREFIX = ".partial-"
 _EXPORT_FILE = re.compile(r"^(?P<key>[^@/]+)@(?:pp(?P<pp>\d+)-tp(?P<tp>\d+)\.(?:kv|json)|all\.json)$")
 
 
+# -- the export format, shared by every store (this module's directory, and the Mooncake store
+# of :mod:`.mooncake_export_store`): the names of a part's data and header, the name of the
+# empty export, and the completeness rule (:func:`complete_header`)
+def part_name(key: str, tp_rank: int, pp_rank: int, suffix: str) -> str:
+    """The name of one rank's part: ``<key>@pp<p>-tp<t>`` + ``.kv`` (its KV) or ``.json`` (its
+    header)."""
+    return f"{key}{PART_SEPARATOR}pp{int(pp_rank)}-tp{int(tp_rank)}{suffix}"
+
+
+def whole_name(key: str) -> str:
+    """The name of an export with no KV, for every rank at once: ``<key>@all.json``."""
+    return f"{key}{PART_SEPARATOR}{WHOLE_PART}.json"
+
+
+def export_name_key(name: str) -> str | None:
+    """The export key a part's (or the empty export's) name belongs to; None for other names."""
+    m = _EXPORT_FILE.match(name)
+    return m["key"] if m is not None else None
+
+
+def complete_header(part_header, whole_header) -> "ExportHeader | None":
+    """The completeness rule: an export is complete when the part of rank (tp 0, pp 0) is there
+    and every other rank's part (of the TP/PP sizes it names) is, all agreeing on the tokens,
+    the block size and the TP/PP sizes; or, with no part of rank (0, 0), when the empty export
+    is there. ``part_header(tp_rank, pp_rank)`` / ``whole_header()`` read one header (None
+    where absent). Returns the first part's header (or the empty export's), or None."""
+    first = part_header(0, 0)
+    if first is None:
+        return whole_header()
+    for pp_rank in range(first.pp_size):
+        for tp_rank in range(first.tp_size):
+            if tp_rank == 0 and pp_rank == 0:
+                continue
+            part = part_header(tp_rank, pp_rank)
+            if part is None or part.tokens != first.tokens or \
+                    part.block_size != first.block_size or part.tp_size != first.tp_size or \
+                    part.pp_size != first.pp_size:
+                return None
+    return first
+
+
 @dataclass(frozen=True)
 class ExportHeader:
     """What one part of an export holds: the tokens whose KV it carries (in order, from position
@@ -181,14 +222,20 @@ class ExportHeader:
     def num_blocks(self) -> int:
         return math.ceil(len(self.tokens) / self.block_size)
 
+    def as_dict(self) -> dict:
+        return {"tokens": list(self.tokens), "block_size": self.block_size,
+                "layouts": self.layouts, "tp_size": self.tp_size, "pp_size": self.pp_size,
+                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank}
+
     def as_json(self) -> bytes:
-        return json.dumps({"tokens": list(self.tokens), "block_size": self.block_size,
-                           "layouts": self.layouts, "tp_size": self.tp_size, "pp_size": self.pp_size,
-                           "tp_rank": self.tp_rank, "pp_rank": self.pp_rank}).encode()
+        return json.dumps(self.as_dict()).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "ExportHeader":
-        d = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExportHeader":
         return cls(list(d["tokens"]), int(d["block_size"]), d["layouts"], int(d["tp_size"]),
                    int(d["pp_size"]), int(d["tp_rank"]), int(d["pp_rank"]))
 
@@ -219,10 +266,12 @@ class KVExportStore:
         return os.path.join(self.directory, f"{key}{suffix}")
 
     def _part_path(self, key: str, tp_rank: int, pp_rank: int, suffix: str) -> str:
-        return self._path(key, f"{PART_SEPARATOR}pp{int(pp_rank)}-tp{int(tp_rank)}{suffix}")
+        self._path(key, "")   # validates the key
+        return os.path.join(self.directory, part_name(key, tp_rank, pp_rank, suffix))
 
     def _whole_path(self, key: str) -> str:
-        return self._path(key, f"{PART_SEPARATOR}{WHOLE_PART}.json")
+        self._path(key, "")
+        return os.path.join(self.directory, whole_name(key))
 
     def _write_atomic(self, path: str, write) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=PARTIAL_PREFIX)
@@ -269,19 +318,8 @@ class KVExportStore:
         """The complete export's header under ``key`` (its first part's: the tokens, block size
         and TP/PP sizes every part agrees on), or None where there is none: no part yet, a part
         missing, or parts that disagree."""
-        first = self.part_header(key)
-        if first is None:
-            return self._read_header(self._whole_path(key))
-        for pp_rank in range(first.pp_size):
-            for tp_rank in range(first.tp_size):
-                if tp_rank == 0 and pp_rank == 0:
-                    continue
-                part = self.part_header(key, tp_rank, pp_rank)
-                if part is None or part.tokens != first.tokens or \
-                        part.block_size != first.block_size or part.tp_size != first.tp_size or \
-                        part.pp_size != first.pp_size:
-                    return None
-        return first
+        return complete_header(lambda tp, pp: self.part_header(key, tp, pp),
+                               lambda: self._read_header(self._whole_path(key)))
 
     def read(self, key: str, tp_rank: int = 0, pp_rank: int = 0) -> tuple[ExportHeader, dict] | None:
         """One rank's part (its header and KV blocks), or None where it is not there."""
@@ -474,8 +512,10 @@ class MigrationKVConnector(KVConnectorBase_V1):
         # layers); the scheduler (one per engine) holds no KV
         self.tp_rank, self.pp_rank = _worker_ranks(self.tp_size, self.pp_size) \
             if role == KVConnectorRole.WORKER else (0, 0)
-        self.store = KVExportStore(str(extra.get(STORE_DIR_KEY, DEFAULT_STORE_DIR)),
-                                   sweep_older_than_s=max_age_s)
+        # the transport (kv_connector_extra_config["transport"]): this module's directory
+        # store, or Mooncake Store (.mooncake_export_store), validated here
+        from .mooncake_export_store import export_store
+        self.store = export_store(extra, sweep_older_than_s=max_age_s)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else None
         # scheduler side

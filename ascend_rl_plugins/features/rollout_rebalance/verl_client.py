@@ -54,7 +54,9 @@ from uuid import uuid4
 
 from verl.workers.rollout.llm_server import LLMServerClient
 
+from .connector_config import MOONCAKE_KEY, STORE_DIR_KEY, TRANSPORT_KEY, store_choice
 from .kv_migration import DEFAULT_STORE_DIR, KVExportStore, MigrationParams, new_key
+from .mooncake_export_store import export_store
 from .migration_client import (
     InFlight,
     PlannedMigration,
@@ -154,6 +156,15 @@ def tokens_before_hop(hop_id: str) -> int:
     return int(match.group(2)) if match else 0
 
 
+def replica_host(server_id: str) -> str | None:
+    """The host of a verl server id (``host:port``, ``[v6 address]:port``); None for an id of
+    another form (it names no host)."""
+    host, sep, port = str(server_id).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]")
+
+
 def request_view(server_id: str, q: ServerRequest, movable: bool = False) -> InFlight:
     """One request a replica read shows, as the planner sees it: named by its hop id, with the
     request's own prompt, every token it generated (earlier hops too) and its whole budget.
@@ -226,8 +237,14 @@ class MigratingLLMServerClient(LLMServerClient):
     def __init__(self, config, load_balancer_handle=None, *, replicas: dict | None = None,
                  policy: TimedMigration | PlannedMigration | None = None,
                  store_dir: str = DEFAULT_STORE_DIR, export_timeout_s: float = 30.0,
-                 requeue_preempted: bool = False, preempt_poll_s: float = 0.1, **kwargs):
+                 requeue_preempted: bool = False, preempt_poll_s: float = 0.1,
+                 store_config: dict | None = None, **kwargs):
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
+        # the replicas' kv_connector_extra_config (transport and its settings; store_dir alone
+        # where not given): the client builds the same store as their connectors
+        self.store_config = dict(store_config) if store_config is not None else \
+            {STORE_DIR_KEY: store_dir}
+        self._store_choice = store_choice(self.store_config)   # ValueError naming a bad key
         if requeue_preempted and (policy is None
                                   or not hasattr(self._load_balancer, "requeue_request")):
             raise ValueError("requeue_preempted: the preemption hand-back needs a migration policy "
@@ -244,6 +261,7 @@ class MigratingLLMServerClient(LLMServerClient):
             raise ValueError("replicas: a timed migration policy needs the server handles by server "
                              "id (the addresses verl's router hands out)")
         self.replicas = dict(replicas or {})
+        self._check_hosts(self.replicas)
         self.policy = policy
         self.store_dir = store_dir
         self.export_timeout_s = export_timeout_s
@@ -270,7 +288,26 @@ class MigratingLLMServerClient(LLMServerClient):
 
     @property
     def store(self) -> KVExportStore:
-        return KVExportStore(self.store_dir)
+        """The export store of ``store_config`` (a directory, or this process's Mooncake
+        client: built once per process)."""
+        return export_store(self.store_config)
+
+    def _check_hosts(self, server_ids) -> None:
+        """The directory transport reaches one host's replicas only: refuse replicas (server
+        ids are verl's ``host:port`` addresses) on several hosts."""
+        if self._store_choice.transport != "directory":
+            return
+        hosts = sorted({replica_host(s) for s in server_ids} - {None})
+        if len(hosts) > 1:
+            raise ValueError(
+                f"ascend-rl migration: the replicas run on {len(hosts)} hosts ({', '.join(hosts)}) "
+                f"and the migration KV connector's transport is 'directory' (store_dir="
+                f"{self._store_choice.store_dir!r}), which no other host reads: set "
+                f"kv_connector_extra_config {{'{TRANSPORT_KEY}': 'mooncake', '{MOONCAKE_KEY}': "
+                "{'master_address': '<master ip>:<rpc port>', 'metadata_server': "
+                "'http://<master ip>:<port>/metadata', 'admin_url': 'http://<master ip>:<metrics "
+                "port>', 'segment_size': <bytes>, 'holder_segment': '<holder host:port>'}} on "
+                "every replica and give the client the same config")
 
     @property
     def in_flight(self) -> dict:
@@ -325,6 +362,7 @@ class MigratingLLMServerClient(LLMServerClient):
         if hasattr(self._load_balancer, "get_server_handles"):
             handles = await self._load_balancer.get_server_handles.remote()
             if handles:
+                self._check_hosts(handles)
                 self.replicas = dict(handles)
                 if hasattr(self._load_balancer, "server_died"):
                     # this project's router drops a replica reported dead; listed again, verl

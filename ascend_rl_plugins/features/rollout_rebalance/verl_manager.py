@@ -57,21 +57,31 @@ def _kv_transfer_config(config) -> dict | None:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value)
 
 
-def store_dir_from_config(config) -> str:
-    """The export store the servers' migration connector writes (from
-    ``rollout.engine_kwargs.vllm.kv_transfer_config``); ValueError with the line to add where
-    the servers run no migration connector."""
+def store_config_from_config(config) -> dict:
+    """The servers' migration connector's ``kv_connector_extra_config`` (from
+    ``rollout.engine_kwargs.vllm.kv_transfer_config``): the export store the client must use
+    too (a directory, or Mooncake and its settings), validated here, at config time.
+    ValueError with the line to add where the servers run no migration connector, or naming
+    the bad key."""
     from . import connector_config_line
-    from .connector_config import CONNECTOR_CLASS, STORE_DIR_KEY
+    from .connector_config import CONNECTOR_CLASS, store_choice
     connector = _kv_transfer_config(config)
-    if not connector or connector.get("kv_connector") != CONNECTOR_CLASS or \
-            not (connector.get("kv_connector_extra_config") or {}).get(STORE_DIR_KEY):
+    if not connector or connector.get("kv_connector") != CONNECTOR_CLASS:
         raise ValueError(
             "ASCEND_RL_ROLLOUT_MIGRATION=planned: the rollout servers run no migration KV "
             f"connector (actor_rollout_ref.rollout.engine_kwargs.vllm.kv_transfer_config is "
             f"{connector!r}); add `{connector_config_line()}` (or set "
             "ASCEND_RL_ROLLOUT_MIGRATION=off)")
-    return str(connector["kv_connector_extra_config"][STORE_DIR_KEY])
+    extra = dict(connector.get("kv_connector_extra_config") or {})
+    store_choice(extra)
+    return extra
+
+
+def store_dir_from_config(config) -> str:
+    """The directory the servers' connector uses for exports (its transport 'directory'), as
+    :func:`store_config_from_config` checks it."""
+    from .connector_config import store_choice
+    return str(store_choice(store_config_from_config(config)).store_dir)
 
 
 def migrating_client(config, llm_client: Any, policy: Any = "flags"):
@@ -112,7 +122,7 @@ def migrating_client(config, llm_client: Any, policy: Any = "flags"):
                          "takes handed-back requests): add `actor_rollout_ref.rollout."
                          f"router_config_path={router_yaml_path()}`")
     return MigratingLLMServerClient(config=config, load_balancer_handle=router, policy=policy,
-                                    store_dir=store_dir_from_config(config),
+                                    store_config=store_config_from_config(config),
                                     requeue_preempted=REQUEUE_PREEMPTED.value)
 
 

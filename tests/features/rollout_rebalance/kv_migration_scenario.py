@@ -89,13 +89,17 @@ class MigrationRuns:
     seconds: dict[str, float]   # per phase (engine start, each run): where the time went
 
 
-def _engine(model_dir: str, connector_class: str, module: str, store_dir: str):
+def _engine(model_dir: str, connector_class: str, module: str, store_dir: str,
+            mooncake: dict | None = None):
+    """One replica; ``mooncake`` (Mooncake settings): the Mooncake transport instead of the
+    directory (its engine core a Mooncake client of its own)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from ascend_rl_plugins.features.rollout_rebalance.kv_migration import kv_transfer_config
-    config = kv_transfer_config(store_dir, connector_class=connector_class, module=module)
+    config = kv_transfer_config(store_dir, connector_class=connector_class, module=module,
+                                mooncake=mooncake)
     args = AsyncEngineArgs(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
                            max_num_batched_tokens=512, enforce_eager=True, block_size=16,
                            enable_prefix_caching=True, disable_log_stats=True, seed=0,
@@ -133,7 +137,8 @@ async def _run(client, label: str, starts: list, prompts: list | None = None,
         exports_left=client.store.keys())
 
 
-async def _start_engines(model_dir: str, store_dir: str, connectors: dict) -> dict:
+async def _start_engines(model_dir: str, store_dir: str, connectors: dict,
+                         mooncake: dict | None = None) -> dict:
     """One ``AsyncLLM`` per replica name (``connectors``: name -> (connector class, module)),
     started concurrently: each start spawns an engine core interpreter that imports vLLM
     afresh (vLLM's CPU platform forces spawn), single-threaded work that two cores overlap.
@@ -141,7 +146,8 @@ async def _start_engines(model_dir: str, store_dir: str, connectors: dict) -> di
     start on this loop at the first request. If any start fails, the started ones are shut
     down and the first error is raised."""
     names = list(connectors)
-    started = await asyncio.gather(*(asyncio.to_thread(_engine, model_dir, *connectors[name], store_dir)
+    started = await asyncio.gather(*(asyncio.to_thread(_engine, model_dir, *connectors[name], store_dir,
+                                                        mooncake)
                                       for name in names), return_exceptions=True)
     errors = [e for e in started if isinstance(e, BaseException)]
     if errors:
@@ -238,3 +244,52 @@ def migration_runs(model_dir: str) -> MigrationRuns:
     with tempfile.TemporaryDirectory(prefix="arp-kv-migration-",
                                      dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         return asyncio.run(_all_runs(model_dir, d))
+
+
+# -- the same move across "hosts": the Mooncake transport ------------------------------------
+
+@dataclass
+class MooncakeRuns:
+    reference: Run
+    moved: Run
+    seconds: dict[str, float]
+
+
+async def _mooncake_runs(model_dir: str, store_dir: str, mooncake: dict) -> MooncakeRuns:
+    """A and B (the shipped connector) on the Mooncake transport: each engine core its own
+    Mooncake client (its own derived ``local_hostname``), this driver one more (the client's
+    store); the reference, then every request moved A -> B -> A."""
+    from ascend_rl_plugins.features.rollout_rebalance import kv_migration
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
+    from ascend_rl_plugins.features.rollout_rebalance.mooncake_export_store import export_store
+    clock = PhaseClock()
+    store = export_store(kv_migration.kv_transfer_config(store_dir, mooncake=mooncake)
+                         ["kv_connector_extra_config"])
+    shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
+    engines = await _start_engines(model_dir, store_dir, {"A": shipped, "B": shipped}, mooncake)
+    a, b = engines["A"], engines["B"]
+    clock.lap("start two engines")
+    try:
+        n = len(PROMPT_LENGTHS)
+        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
+                         ["A" if i % 2 == 0 else "B" for i in range(n)])
+        clock.lap("reference")
+        await _reset_prefix_caches(a, b)
+        moved = await _run(MigratingClient({"A": a, "B": b}, store,
+                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
+                           "moved", ["A"] * n)
+        clock.lap("moved A->B->A over Mooncake")
+        return MooncakeRuns(ref, moved, clock.seconds)
+    finally:
+        for engine in (a, b):
+            engine.shutdown()
+
+
+def mooncake_migration_runs(model_dir: str, mooncake: dict) -> MooncakeRuns:
+    """:func:`_mooncake_runs`; ``store_dir`` is an empty directory no replica writes (the
+    transport is Mooncake: the test checks it stays empty)."""
+    with tempfile.TemporaryDirectory(prefix="arp-kv-migration-mooncake-") as d:
+        runs = asyncio.run(_mooncake_runs(model_dir, d, mooncake))
+        if os.listdir(d):
+            raise AssertionError(f"the directory store was written: {os.listdir(d)}")
+        return runs
