@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from . import tail_policy
-from .kv_migration import KVExportStore, MigrationParams, new_key
+from .exports import KVExportStore, new_key
+from .kv_migration import MigrationParams
 
 log = logging.getLogger("ascend_rl_plugins")
 

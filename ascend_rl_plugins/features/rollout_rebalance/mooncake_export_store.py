@@ -51,7 +51,7 @@ from ascend_rl_plugins.transport.mooncake_store import (
 )
 
 from .connector_config import StoreChoice, store_choice
-from .kv_migration import (
+from .exports import (
     PART_SEPARATOR,
     PREEMPTED_SUFFIX,
     ExportHeader,

@@ -55,7 +55,9 @@ from uuid import uuid4
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from .connector_config import MOONCAKE_KEY, STORE_DIR_KEY, TRANSPORT_KEY, store_choice
-from .kv_migration import DEFAULT_STORE_DIR, KVExportStore, MigrationParams, new_key
+from .connector_config import DEFAULT_STORE_DIR
+from .exports import KVExportStore, new_key
+from .kv_migration import MigrationParams
 from .mooncake_export_store import export_store
 from .migration_client import (
     InFlight,
