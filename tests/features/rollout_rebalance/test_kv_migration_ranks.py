@@ -19,6 +19,7 @@ import types
 
 import pytest
 
+from tests.features.rollout_rebalance.test_kv_migration_parts import _step  # one engine step
 from tests.support.stacks import vllm_version
 
 pytestmark = pytest.mark.skipif(vllm_version() is None or not vllm_version().startswith("0.23"),
@@ -78,16 +79,6 @@ def _worker(km, store_dir: str, tp: int = 1, pp: int = 1, pp_rank: int = 0, fill
 def _scheduler(km, store_dir: str, tp: int = 1, pp: int = 1):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     return km.MigrationKVConnector(_config(km, store_dir, tp, pp), KVConnectorRole.SCHEDULER)
-
-
-def _step(connector, meta, finished=()):
-    """One engine step of a worker-side connector: load/export, then what vLLM collects."""
-    connector.bind_connector_metadata(meta)
-    connector.start_load_kv(None)
-    done = connector.get_finished(set(finished))
-    errors = connector.get_block_ids_with_load_errors()
-    connector.clear_connector_metadata()
-    return done, errors
 
 
 def _export(km, as_rank, store_dir: str, key: str, tp: int, pp: int = 1, ranks=None, tokens=TOKENS):
