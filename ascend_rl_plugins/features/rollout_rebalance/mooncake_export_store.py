@@ -332,3 +332,21 @@ def export_store(extra: dict | None, *, sweep_older_than_s: float | None = None)
     store = MooncakeExportStore(settings, choice.namespace, sweep_older_than_s=sweep_older_than_s)
     with _lock:
         return _stores.setdefault(cache_key, store)
+
+
+def reset_process_state() -> None:
+    """Forget this process's Mooncake export stores (each client leaves Mooncake) and release
+    the ports its names hold: the one place this module's per-process state ends (a test, or a
+    process that switches its transport). The next :func:`export_store` starts afresh."""
+    with _lock:
+        stores, held = list(_stores.values()), list(_held.values())
+        _stores.clear()
+        _held.clear()
+    for store in stores:
+        try:
+            store.mooncake.close()
+        except Exception as exc:  # noqa: BLE001 - leaving is best effort; the master times it out
+            log.warning("ascend-rl kv_migration: closing a Mooncake client failed: %s", exc)
+    for sock, _ in held:
+        if sock is not None:
+            sock.close()

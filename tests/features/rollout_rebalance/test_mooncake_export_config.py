@@ -65,6 +65,7 @@ def test_each_process_derives_its_own_mooncake_name():
     pytest.importorskip("torch")
     from ascend_rl_plugins.features.rollout_rebalance.mooncake_export_store import (
         process_local_hostname,
+        reset_process_state,
     )
     from tests.support.child import run_scenario
     settings = {"master_address": "127.0.0.1:50051"}
@@ -78,6 +79,9 @@ def test_each_process_derives_its_own_mooncake_name():
                           "process_local_hostname", settings)
     assert theirs != mine and theirs.startswith("127.0.0.1:")
     assert process_local_hostname({**settings, "local_hostname": "10.1.2.3"}).startswith("10.1.2.3:")
+    reset_process_state()                             # the names' ports are released
+    with socket.socket() as other:
+        other.bind(("0.0.0.0", int(port)))
 
 
 def test_the_verl_client_refuses_the_directory_for_replicas_on_several_hosts(tmp_path):
