@@ -84,7 +84,10 @@ class MooncakeExportStore:
                              "exports are listed there")
         self.settings = settings
         self.namespace = namespace
-        self.mooncake = MooncakeStore(settings)
+        # connected now, when the engine starts (a replica whose master is unreachable stops
+        # there, naming the setting), not at its first export: a client's setup takes seconds,
+        # tens under load, which the first move's export would spend waiting
+        self.mooncake = MooncakeStore(settings).connect()
         if sweep_older_than_s is not None:
             self.sweep(sweep_older_than_s)
 

@@ -28,6 +28,21 @@ class DyingOnLoadConnector(MigrationKVConnector):
 
 
 DIE_MARKER_ENV = "ARP_KV_MIGRATION_DIE_MARKER"
+DIE_AFTER_EXPORT_MARKER_ENV = "ARP_KV_MIGRATION_DIE_AFTER_EXPORT_MARKER"
+
+
+def claim_marker(env: str) -> bool:
+    """Whether this process takes the fault armed by the file named by ``$<env>``: it exists
+    and this process removed it (of several processes only one unlink succeeds, so the
+    fault fires once). No variable or no file: not armed."""
+    marker = os.environ.get(env)
+    if not marker:
+        return False
+    try:
+        os.unlink(marker)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 class DyingOnceOnLoadConnector(MigrationKVConnector):
@@ -39,12 +54,20 @@ class DyingOnceOnLoadConnector(MigrationKVConnector):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MigrationConnectorMetadata)
-        marker = os.environ.get(DIE_MARKER_ENV)
-        if meta.loads and marker:
-            try:
-                os.unlink(marker)
-            except FileNotFoundError:
-                pass
-            else:
-                os._exit(EXIT_CODE)
+        if meta.loads and claim_marker(DIE_MARKER_ENV):
+            os._exit(EXIT_CODE)
         super().start_load_kv(forward_context, **kwargs)
+
+
+class DyingAfterExportConnector(MigrationKVConnector):
+    """The source dies after its export: once the file named by
+    ``$ARP_KV_MIGRATION_DIE_AFTER_EXPORT_MARKER`` exists, the worker's first export (the
+    shipped ``_export`` has returned: the export is complete in the store) removes it and
+    the engine core exits there, before any destination has loaded it, so the move can only
+    go on from the export. Other exports of the same step are never written. Without the
+    file it is the shipped connector."""
+
+    def _export(self, job) -> None:
+        super()._export(job)
+        if claim_marker(DIE_AFTER_EXPORT_MARKER_ENV):
+            os._exit(EXIT_CODE)

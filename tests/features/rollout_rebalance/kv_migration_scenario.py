@@ -201,6 +201,23 @@ async def _reset_prefix_caches(*engines) -> None:
         await engine.reset_prefix_cache()
 
 
+async def reference_and_moved(a, b, store, clock: PhaseClock, moved_label: str) -> tuple[Run, Run]:
+    """The two runs every A/B migration scenario compares: the reference (requests alternating
+    between A and B, no move), then, prefix caches reset, every request started on A and moved
+    A -> B -> A after 8 tokens (two forced moves)."""
+    from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
+    n = len(PROMPT_LENGTHS)
+    ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
+                     ["A" if i % 2 == 0 else "B" for i in range(n)])
+    clock.lap("reference")
+    await _reset_prefix_caches(a, b)
+    moved = await _run(MigratingClient({"A": a, "B": b}, store,
+                                       policy=ForcedMigration(after_tokens=8, max_moves=2)),
+                       "moved", ["A"] * n)
+    clock.lap(moved_label)
+    return ref, moved
+
+
 async def _all_runs(model_dir: str, store_dir: str) -> MigrationRuns:
     from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
     from ascend_rl_plugins.features.rollout_rebalance import kv_migration
@@ -214,14 +231,7 @@ async def _all_runs(model_dir: str, store_dir: str) -> MigrationRuns:
     clock.lap("start three engines")
     try:
         n = len(PROMPT_LENGTHS)
-        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
-                         ["A" if i % 2 == 0 else "B" for i in range(n)])
-        clock.lap("reference")
-        await _reset_prefix_caches(a, b)
-        moved = await _run(MigratingClient({"A": a, "B": b}, store,
-                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
-                           "moved", ["A"] * n)
-        clock.lap("moved A->B->A")
+        ref, moved = await reference_and_moved(a, b, store, clock, "moved A->B->A")
         await _reset_prefix_caches(a, b)
         planned_ref, planned = await _planned_runs(a, b, store)
         clock.lap("planned (reference and planned)")
@@ -252,44 +262,60 @@ def migration_runs(model_dir: str) -> MigrationRuns:
 class MooncakeRuns:
     reference: Run
     moved: Run
+    source_dies: Run        # every request started on A', moved to B; A' dies after its export
+    a_prime_errored: bool
+    b_errored: bool
     seconds: dict[str, float]
 
 
-async def _mooncake_runs(model_dir: str, store_dir: str, mooncake: dict) -> MooncakeRuns:
-    """A and B (the shipped connector) on the Mooncake transport: each engine core its own
-    Mooncake client (its own derived ``local_hostname``), this driver one more (the client's
-    store); the reference, then every request moved A -> B -> A."""
+SOURCE = "A'"   # the source that dies after its first export (kv_migration_faults)
+
+
+async def _mooncake_runs(model_dir: str, store_dir: str, mooncake: dict, marker: str) -> MooncakeRuns:
+    """A and B (the shipped connector) and A' (``DyingAfterExportConnector``) on the Mooncake
+    transport: each engine core its own Mooncake client (its own derived ``local_hostname``),
+    this driver one more (the client's store); the reference, then every request moved
+    A -> B -> A; last (it kills A'), every request started on A' and moved to B after 8
+    tokens, with the fault armed (``marker`` created): A' exits right after writing its first
+    export, so that request can only go on from the export on the holder."""
     from ascend_rl_plugins.features.rollout_rebalance import kv_migration
     from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
     from ascend_rl_plugins.features.rollout_rebalance.mooncake_export_store import export_store
+    from tests.features.rollout_rebalance import kv_migration_faults as faults
     clock = PhaseClock()
     store = export_store(kv_migration.kv_transfer_config(store_dir, mooncake=mooncake)
                          ["kv_connector_extra_config"])
     shipped = (kv_migration.CONNECTOR_CLASS, kv_migration.__name__)
-    engines = await _start_engines(model_dir, store_dir, {"A": shipped, "B": shipped}, mooncake)
-    a, b = engines["A"], engines["B"]
-    clock.lap("start two engines")
+    os.environ[faults.DIE_AFTER_EXPORT_MARKER_ENV] = marker   # the engine cores inherit it
+    engines = await _start_engines(model_dir, store_dir, {
+        "A": shipped, "B": shipped, SOURCE: ("DyingAfterExportConnector", faults.__name__)}, mooncake)
+    a, b, source = engines["A"], engines["B"], engines[SOURCE]
+    clock.lap("start three engines")
     try:
-        n = len(PROMPT_LENGTHS)
-        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
-                         ["A" if i % 2 == 0 else "B" for i in range(n)])
-        clock.lap("reference")
-        await _reset_prefix_caches(a, b)
-        moved = await _run(MigratingClient({"A": a, "B": b}, store,
-                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
-                           "moved", ["A"] * n)
-        clock.lap("moved A->B->A over Mooncake")
-        return MooncakeRuns(ref, moved, clock.seconds)
+        ref, moved = await reference_and_moved(a, b, store, clock, "moved A->B->A over Mooncake")
+        await _reset_prefix_caches(b, source)
+        with open(marker, "w"):
+            pass   # armed: A''s first export is its last act
+        dies = await _run(MigratingClient({SOURCE: source, "B": b}, store,
+                                          policy=ForcedMigration(after_tokens=8, max_moves=1)),
+                          "source-dies", [SOURCE] * len(PROMPT_LENGTHS))
+        clock.lap("source dies after its export")
+        return MooncakeRuns(ref, moved, dies, a_prime_errored=bool(source.errored),
+                            b_errored=bool(b.errored), seconds=clock.seconds)
     finally:
-        for engine in (a, b):
-            engine.shutdown()
+        for engine in (a, b, source):
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - A' is dead already
+                pass
 
 
 def mooncake_migration_runs(model_dir: str, mooncake: dict) -> MooncakeRuns:
     """:func:`_mooncake_runs`; ``store_dir`` is an empty directory no replica writes (the
     transport is Mooncake: the test checks it stays empty)."""
-    with tempfile.TemporaryDirectory(prefix="arp-kv-migration-mooncake-") as d:
-        runs = asyncio.run(_mooncake_runs(model_dir, d, mooncake))
+    with tempfile.TemporaryDirectory(prefix="arp-kv-migration-mooncake-") as d, \
+            tempfile.TemporaryDirectory(prefix="arp-kv-migration-marker-") as m:
+        runs = asyncio.run(_mooncake_runs(model_dir, d, mooncake, os.path.join(m, "die-after-export")))
         if os.listdir(d):
             raise AssertionError(f"the directory store was written: {os.listdir(d)}")
         return runs

@@ -22,12 +22,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from tests.features.rollout_rebalance.kv_migration_scenario import (
-    PROMPT_LENGTHS,
-    Run,
-    _reset_prefix_caches,
-    _run,
-)
+from tests.features.rollout_rebalance.kv_migration_scenario import Run, reference_and_moved
 from tests.support.phases import PhaseClock
 
 TP = 2
@@ -65,7 +60,6 @@ def _engine(model_dir: str, store_dir: str):
 
 async def _runs(model_dir: str, store_dir: str) -> TpMigrationRuns:
     from ascend_rl_plugins.features.rollout_rebalance import kv_migration
-    from ascend_rl_plugins.features.rollout_rebalance.migration_client import ForcedMigration, MigratingClient
     clock = PhaseClock()
     store = kv_migration.KVExportStore(store_dir)
     started = await asyncio.gather(*(asyncio.to_thread(_engine, model_dir, store_dir) for _ in "AB"),
@@ -79,15 +73,7 @@ async def _runs(model_dir: str, store_dir: str) -> TpMigrationRuns:
     a, b = started
     clock.lap(f"start two engines at TP {TP}")
     try:
-        n = len(PROMPT_LENGTHS)
-        ref = await _run(MigratingClient({"A": a, "B": b}, store), "ref",
-                         ["A" if i % 2 == 0 else "B" for i in range(n)])
-        clock.lap("reference")
-        await _reset_prefix_caches(a, b)
-        moved = await _run(MigratingClient({"A": a, "B": b}, store,
-                                           policy=ForcedMigration(after_tokens=8, max_moves=2)),
-                           "moved", ["A"] * n)
-        clock.lap("moved A->B->A")
+        ref, moved = await reference_and_moved(a, b, store, clock, "moved A->B->A")
         return TpMigrationRuns(reference=ref, moved=moved, a_errored=bool(a.errored),
                                b_errored=bool(b.errored), seconds=clock.seconds)
     finally:
