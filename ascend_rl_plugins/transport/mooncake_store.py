@@ -270,6 +270,13 @@ def _bytes_address(buffer) -> tuple[int, int, Any]:
     return array.ctypes.data, array.size, array
 
 
+def regex_literal(text: str) -> str:
+    """``text`` as a literal in the regular expressions of Mooncake's ``remove_by_regex``
+    (C++ ``std::regex``, ECMAScript): its syntax characters escaped, every other character as
+    it is."""
+    return "".join("\\" + c if c in ".^$|?*+()[]{}\\" else c for c in text)
+
+
 class MooncakeStore:
     """One Mooncake Store client (one ``MooncakeDistributedStore``): connects on first use.
 
@@ -527,7 +534,7 @@ class MooncakeStore:
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix={prefix!r}: accepted a non-empty string (remove everything "
                              "with MooncakeStore.client.remove_all)")
-        pattern = "^" + "".join("\\" + c if c in ".^$|?*+()[]{}\\" else c for c in prefix)
+        pattern = "^" + regex_literal(prefix)
         rc = self.client.remove_by_regex(pattern, True)
         if rc < 0:
             raise MooncakeError("remove_by_regex", prefix, rc)

@@ -61,6 +61,13 @@ class StoreChoice:
         return dict(self.mooncake)
 
 
+def valid_name(text, max_length: int = 200) -> bool:
+    """An export key or a Mooncake namespace: letters, digits, '-', '_', '.', not starting
+    with '.' (a file name in the directory store, an object-name part in Mooncake's)."""
+    return isinstance(text, str) and 0 < len(text) <= max_length and \
+        all(c.isalnum() or c in "-_." for c in text) and not text.startswith(".")
+
+
 def _bad(key: str, value, accepted: str) -> ValueError:
     return ValueError(f"kv_connector_extra_config[{key!r}]={value!r}: accepted {accepted}")
 
@@ -81,8 +88,7 @@ def store_choice(extra: dict | None) -> StoreChoice:
     if not isinstance(store_dir, str) or not store_dir:
         raise _bad(STORE_DIR_KEY, store_dir, "a directory path")
     namespace = extra.get(MOONCAKE_NAMESPACE_KEY, DEFAULT_MOONCAKE_NAMESPACE)
-    if not (isinstance(namespace, str) and 0 < len(namespace) <= 100 and not namespace.startswith(".")
-            and all(c.isalnum() or c in "-_." for c in namespace)):
+    if not valid_name(namespace, max_length=100):
         raise _bad(MOONCAKE_NAMESPACE_KEY, namespace, EXTRA_CONFIG_KEYS[MOONCAKE_NAMESPACE_KEY])
     raw = extra.get(MOONCAKE_KEY)
     if transport == "directory":

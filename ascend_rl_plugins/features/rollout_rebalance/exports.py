@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .connector_config import valid_name
+
 log = logging.getLogger("ascend_rl_plugins")
 
 PREEMPTED_SUFFIX = ".preempted"
@@ -32,8 +34,7 @@ def new_key() -> str:
 
 
 def _valid_key(key: Any) -> bool:
-    return isinstance(key, str) and 0 < len(key) <= 200 and \
-        all(c.isalnum() or c in "-_." for c in key) and not key.startswith(".")
+    return valid_name(key)
 
 
 # -- the store --------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from ascend_rl_plugins.transport.mooncake_store import (
     MooncakeSettings,
     MooncakeStore,
     block_spans,
+    regex_literal,
     tensor_spans,
 )
 
@@ -67,10 +68,6 @@ log = logging.getLogger("ascend_rl_plugins")
 
 STAMP = struct.Struct("<d")   # a data object's first bytes: its written_at
 REPLICA_IS_NOT_READY = -703   # Mooncake's answer for an object whose put is under way
-
-
-def _regex_escape(text: str) -> str:
-    return "".join("\\" + c if c in ".^$|?*+()[]{}\\" else c for c in text)
 
 
 class MooncakeExportStore:
@@ -212,7 +209,7 @@ class MooncakeExportStore:
         except (ValueError, KeyError, TypeError):
             complete = False
         client = self.mooncake.client
-        base = _regex_escape(self._name(key + PART_SEPARATOR))
+        base = regex_literal(self._name(key + PART_SEPARATOR))
         client.remove_by_regex("^" + base + r".*\.json$", True)   # stops being visible first
         client.remove_by_regex("^" + base, True)
         return complete
